@@ -1,0 +1,89 @@
+"""Attention metadata for one flattened mixed batch (decodes and prefill chunks together).
+
+The model runner builds one of these per forward; every layer of the model reads it. Sequences are
+ordered in the batch as the scheduler listed them; `query_start_loc[b]:query_start_loc[b+1]` are the
+rows of sequence b in the flattened tensors. A sequence's context (tokens already in the cache before
+this forward) is `seq_lens[b] - query_len[b]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B+1] int32, on the model's device
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence after this forward
+    block_tables: torch.Tensor  # [B, max_blocks] int32: cache blocks of each sequence, in order
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies: the torch reference plans its gathers from these without a device sync.
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    # Rows of the flattened batch whose logits are needed (last token of a finishing prefill, decodes).
+    logits_indices: torch.Tensor | None = None
+    # Per-forward scratch shared by all layers (e.g. the reference's gather plan per window size).
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        logits_indices: list[int] | None = None,
+    ) -> AttentionMetadata:
+        """Build metadata from plain lists: query length, KV length after the forward, block ids."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        qsl = [0]
+        for q, s, blocks in zip(query_lens, seq_lens, block_tables):
+            if q < 1 or s < q:
+                raise ValueError(f"invalid sequence: query_len={q}, seq_len={s}")
+            if len(blocks) * block_size < s:
+                raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {s} tokens")
+            qsl.append(qsl[-1] + q)
+        width = max((len(b) for b in block_tables), default=1) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            if blocks:
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        # Slot of every new token, vectorised: its sequence's block at pos // block_size, plus offset.
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+        ctx = torch.tensor(seq_lens, dtype=torch.int64) - q_lens
+        pos = torch.arange(qsl[-1], dtype=torch.int64) - starts[seq_of_token] + ctx[seq_of_token]
+        blocks_of_token = table.to(torch.int64)[seq_of_token, pos // block_size]
+        slots = blocks_of_token * block_size + pos % block_size
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            slot_mapping=slots.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(seq_lens),
+            logits_indices=(
+                torch.tensor(logits_indices, dtype=torch.int64, device=device)
+                if logits_indices is not None
+                else None
+            ),
+        )
