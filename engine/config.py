@@ -1,0 +1,106 @@
+"""Engine configuration. These dataclasses are also the Hydra schema of the runner's config groups.
+
+Every user-settable value is checked in `validate()`, which raises ValueError naming the key, the
+value and the allowed range, so a bad config fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: str | None = None  # HF model directory, or a repo id found in the local HF cache
+    architecture: dict[str, Any] | None = None  # config.json keys: random weights when none are found
+    tokenizer: str | None = None  # tokenizer directory; null = the model's; "byte" = built-in byte-level
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
+    seed: int = 0  # random-weight initialisation
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+
+    def validate(self) -> None:
+        _check(self.path is not None or self.architecture is not None, "model.path", self.path,
+               "set model.path to a model directory or HF repo id, or give model.architecture")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+               "one of auto, float32, bfloat16, float16")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               "model.device", self.device, "auto, cpu, cuda or cuda:N")
+        _check(self.attention_backend in ("auto", "triton", "torch"), "model.attention_backend",
+               self.attention_backend, "one of auto, triton, torch")
+
+
+@dataclass
+class CacheConfig:
+    backend: str = "paged"  # paged | contiguous
+    block_size: int = 16  # tokens per block (paged); contiguous uses one block of max_model_len
+    num_blocks: int | None = None  # explicit pool size; else from memory_gb; else enough for max_num_seqs
+    memory_gb: float | None = None
+    max_model_len: int = 4096  # longest prompt + output a request may have
+    prefix_caching: bool | None = None  # null = on for paged, off for contiguous
+
+    def validate(self) -> None:
+        _check(self.backend in ("paged", "contiguous"), "cache.backend", self.backend, "one of paged, contiguous")
+        _check(self.block_size >= 1, "cache.block_size", self.block_size, "must be >= 1")
+        _check(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks", self.num_blocks,
+               "must be >= 1 or null")
+        _check(self.memory_gb is None or self.memory_gb > 0, "cache.memory_gb", self.memory_gb, "must be > 0 or null")
+        _check(self.max_model_len >= 2, "cache.max_model_len", self.max_model_len, "must be >= 2")
+        _check(not (self.backend == "contiguous" and self.prefix_caching), "cache.prefix_caching",
+               self.prefix_caching, "prefix caching needs cache.backend=paged (blocks are shared)")
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return self.backend == "paged" if self.prefix_caching is None else bool(self.prefix_caching)
+
+
+@dataclass
+class ChunkingConfig:
+    enabled: bool = True  # false: a prompt is prefilled whole in one step
+    size: int = 512  # most prompt tokens one request gets per step
+    token_budget: int | None = None  # most tokens (decode + prefill) per step; null = unbounded
+    max_chunks_per_step: int | None = None  # most requests prefilling in one step
+    max_partial_prefills: int | None = None  # most started-but-unfinished prefills at once
+    decode_headroom: int | None = None  # prefill tokens per step are capped at this while decodes run
+    prefill_interval: int = 1  # prefill only every k-th step while decodes run
+    ubatch: int | None = None  # physical forward width; a step runs as forwards of at most this many tokens
+
+    def validate(self, max_num_seqs: int) -> None:
+        _check(self.size >= 1, "chunking.size", self.size, "must be >= 1")
+        _check(self.token_budget is None or self.token_budget >= max_num_seqs, "chunking.token_budget",
+               self.token_budget, f"must be >= max_num_seqs ({max_num_seqs}) so every decode fits, or null")
+        _check(self.max_chunks_per_step is None or self.max_chunks_per_step >= 1, "chunking.max_chunks_per_step",
+               self.max_chunks_per_step, "must be >= 1 or null")
+        _check(self.max_partial_prefills is None or self.max_partial_prefills >= 1,
+               "chunking.max_partial_prefills", self.max_partial_prefills, "must be >= 1 or null")
+        _check(self.decode_headroom is None or self.decode_headroom >= 1, "chunking.decode_headroom",
+               self.decode_headroom, "must be >= 1 or null")
+        _check(self.prefill_interval >= 1, "chunking.prefill_interval", self.prefill_interval, "must be >= 1")
+        _check(self.ubatch is None or self.ubatch >= 1, "chunking.ubatch", self.ubatch, "must be >= 1 or null")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    max_num_seqs: int = 64  # most requests running at once
+    seed: int = 0  # sampling seed for requests without their own
+
+    def validate(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        self.model.validate()
+        self.cache.validate()
+        self.chunking.validate(self.max_num_seqs)
+        budget = self.chunking.token_budget
+        _check(self.chunking.enabled or budget is None or budget >= self.cache.max_model_len,
+               "chunking.token_budget", budget,
+               f"with chunking.enabled=false a whole prompt must fit one step: use >= cache.max_model_len "
+               f"({self.cache.max_model_len}), null, or enable chunking")

@@ -1,0 +1,287 @@
+"""LLMEngine: add requests, step, read outputs. One step = schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.clock import Clock, WallClock
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer, DetokState, find_stop
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device!r} but CUDA is not available; use model.device=cpu or auto")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
+        from models import load_model, load_tokenizer  # engine -> models, never the reverse
+
+        config.validate()
+        self.config = config
+        self.clock = clock or WallClock()
+        mc = config.model
+        if mc.attention_backend != "auto":
+            import kernels
+
+            kernels.set_backend(mc.attention_backend)
+        self.device, self.dtype = resolve_device_dtype(mc.device, mc.dtype)
+        self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed)
+        arch = self.model.arch
+        self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
+        self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = config.cache.max_model_len
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({arch.max_position_embeddings}); lower cache.max_model_len"
+            )
+        self.kv = KVCacheManager(
+            config.cache,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_seqs=config.max_num_seqs,
+        )
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self.device, config.chunking.ubatch)
+        self.sampler = Sampler(config.seed, self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, DetokState] = {}
+        self._rejected: list[Request] = []
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self._step_count = 0
+        self.last_step: StepStats | None = None
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request. Bad input never raises: the request comes back from the next step()
+        finished with finish_reason "error" and a message saying what to fix."""
+        params = params or SamplingParams()
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use; give each request a unique id")
+        error = None
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this request's error
+            ids, error = [], f"could not tokenize the prompt: {exc}"
+        arrival = self.clock.now() if arrival_time is None else float(arrival_time)
+        req = Request(rid, ids, params, RequestMetrics(arrival_time=arrival), index=next(self._order))
+        self.requests[rid] = req
+        error = error or self._validate(req)
+        if error:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason, req.error = "error", error
+            self._rejected.append(req)
+        else:
+            self._detok[rid] = DetokState.for_prompt(len(ids))
+            self.scheduler.add(req)
+        return rid
+
+    def _validate(self, req: Request) -> str | None:
+        problems = req.params.problems()
+        if problems:
+            return "invalid sampling params: " + "; ".join(problems)
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "empty prompt: give at least one token"
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+        if n + req.params.max_tokens > self.max_model_len:
+            return (
+                f"prompt of {n} tokens + max_tokens={req.params.max_tokens} exceeds max_model_len="
+                f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise cache.max_model_len"
+            )
+        if self.kv.blocks_needed(n + req.params.max_tokens) > self.kv.num_blocks:
+            return (
+                f"prompt of {n} tokens + max_tokens={req.params.max_tokens} needs "
+                f"{self.kv.blocks_needed(n + req.params.max_tokens)} KV blocks but the cache has "
+                f"{self.kv.num_blocks}; raise cache.num_blocks or cache.memory_gb"
+            )
+        return None
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort", self.clock.now())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._rejected)
+
+    def num_free_blocks(self) -> int:
+        return self.kv.pool.num_free
+
+    def num_total_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    # -- stepping --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(r, [], "") for r in self._rejected]
+        for r in self._rejected:
+            r.metrics.finish_time = self.clock.now()
+            self._release(r)
+        self._rejected = []
+
+        start = self.clock.now()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            self.last_step = None
+            return outputs
+        failed: list[str] = []
+        try:
+            logits = self.runner.execute(sched.scheduled)
+            samplers = [s.request for s in sched.scheduled if s.samples]
+            tokens = self.sampler.sample(logits, samplers) if samplers else []
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            error = f"step failed: {type(exc).__name__}: {exc}"
+            now = self._end_step(t0)
+            for s in sched.scheduled:
+                s.request.error = error
+                self._finish(s.request, "error", now)
+                failed.append(s.request.request_id)
+                outputs.append(self._output(s.request, [], ""))
+            self._record(sched, start, now, failed)
+            return outputs
+        now = self._end_step(t0)
+        token_iter = iter(tokens)
+        for s in sched.scheduled:
+            req = s.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = start
+            req.num_computed_tokens += s.num_tokens
+            if s.is_prefill:
+                req.metrics.num_prefill_chunks += 1
+            self.kv.register_computed(req)
+            if s.samples:
+                outputs.append(self._append_token(req, next(token_iter), now))
+        self._record(sched, start, now, failed)
+        return outputs
+
+    def _end_step(self, t0: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.clock.step_finished(time.perf_counter() - t0)
+        return self.clock.now()
+
+    def _record(self, sched: SchedulerOutput, start: float, now: float, failed: list[str]) -> None:
+        self._step_count += 1
+        self.last_step = StepStats(
+            step=self._step_count - 1,
+            start_time=start,
+            duration=now - start,
+            decode_tokens=sched.decode_tokens,
+            prefill_tokens=sched.prefill_tokens,
+            prefill_requests=sum(1 for s in sched.scheduled if s.is_prefill),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used,
+            scheduled={s.request.request_id: s.num_tokens for s in sched.scheduled},
+            cached_prompt_tokens=sched.cached_prompt_tokens,
+            num_forwards=self.runner.num_forwards,
+            preempted=[r.request_id for r in sched.preempted],
+            failed=failed,
+        )
+
+    def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        req.output_token_ids.append(token)
+        m = req.metrics
+        m.token_times.append(now)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        p = req.params
+        all_ids = req.all_token_ids
+        new_text = self.detokenizer.step(self._detok[req.request_id], all_ids)
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            new_text += self.detokenizer.flush(self._detok[req.request_id], all_ids)
+        req.text += new_text
+        if p.stop:
+            cut = find_stop(req.text, len(new_text), p.stop)
+            if cut is not None:
+                kept = len(req.text) - len(new_text)
+                new_text = req.text[kept:cut] if cut > kept else ""
+                req.text = req.text[:cut]
+                reason = "stop"
+        if reason is not None:
+            self._finish(req, reason, now)
+        return self._output(req, [token], new_text)
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        req.finish_reason = reason
+        req.metrics.finish_time = now
+        self.scheduler.finish(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """A finished request is reported once; the engine keeps no reference to it afterwards."""
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            text=req.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            metrics=req.metrics,
+        )
+
+    # -- convenience -----------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids) and self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

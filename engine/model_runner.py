@@ -1,0 +1,92 @@
+"""Turns a scheduled step into forward passes: the flattened batch, its attention metadata, logits.
+
+All scheduled tokens (decodes and prefill chunks of many requests) go through ONE forward, unless
+chunking.ubatch caps the physical width: then the step's tokens are cut, in order, into forwards of
+at most ubatch tokens. A chunk cut in two is just two consecutive pieces of the same sequence; the
+second sees the first's keys in the cache. The LM head runs only on rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCacheManager
+from engine.scheduler import ScheduledRequest
+from kernels import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Piece:
+    item: ScheduledRequest
+    start: int  # position of its first token
+    num_tokens: int
+    samples: bool  # the piece ends the step's tokens of a request that samples
+
+
+def split_into_forwards(scheduled: list[ScheduledRequest], ubatch: int | None) -> list[list[_Piece]]:
+    """Cut the step's token list into forwards of at most `ubatch` tokens (one forward if None)."""
+    forwards: list[list[_Piece]] = [[]]
+    room = ubatch if ubatch is not None else float("inf")
+    for item in scheduled:
+        start, left = item.start, item.num_tokens
+        while left > 0:
+            if room == 0:
+                forwards.append([])
+                room = ubatch
+            n = int(min(left, room))
+            forwards[-1].append(_Piece(item, start, n, samples=item.samples and n == left))
+            start, left, room = start + n, left - n, room - n
+    return [f for f in forwards if f]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device, ubatch: int | None):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.ubatch = ubatch
+        self.num_forwards = 0  # of the last step
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Run the step; returns float32 logits [S, vocab], one row per sampling request in order."""
+        rows: list[torch.Tensor] = []
+        forwards = split_into_forwards(scheduled, self.ubatch)
+        for pieces in forwards:
+            logits = self._forward(pieces)
+            if logits is not None:
+                rows.append(logits)
+        self.num_forwards = len(forwards)
+        if not rows:
+            return torch.empty(0, 0, device=self.device)
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, logits_indices = [], [], [], []
+        for p in pieces:
+            req = p.item.request
+            end = p.start + p.num_tokens
+            prompt_len = req.num_prompt_tokens
+            if end <= prompt_len:
+                input_ids.extend(req.prompt_token_ids[p.start : end])
+            else:
+                input_ids.extend(req.all_token_ids[p.start : end])
+            positions.extend(range(p.start, end))
+            query_lens.append(p.num_tokens)
+            seq_lens.append(end)
+            tables.append(req.block_ids)
+            if p.samples:
+                logits_indices.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.kv.block_size, device=self.device, logits_indices=logits_indices
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv.kv_caches, meta)
+        if not logits_indices:
+            return None
+        return self.model.compute_logits(hidden[meta.logits_indices])

@@ -1,0 +1,112 @@
+"""A request's state as it moves through the engine, and what the engine reports about it.
+
+Scheduling needs one number: `num_computed_tokens`, how many of the request's tokens (prompt, then
+generated) are in the KV cache. The request is prefilling while that is below the prompt length.
+Chunking, prefix-cache hits and preemption are all just moves of that number.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_prefill_chunks: int = 0  # prefill steps, counting recomputation after preemption
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # all generated so far
+    text: str  # detokenised output so far (stop string cut off)
+    new_token_ids: list[int]  # tokens appended by this step
+    new_text: str  # text appended by this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort"
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    index: int = 0  # admission order, for stable ordering
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    # Per-request RNG state (torch.Generator) when params.seed is set; set by the sampler.
+    generator: object | None = None
+    # Tokens known at admission; after preemption, generated tokens are recomputed too.
+    prefill_target: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the cache lacks tokens that are already known (prompt, or output after preemption)."""
+        return not self.output_token_ids or self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step did (the runner writes one steps.parquet row from it)."""
+
+    step: int
+    start_time: float
+    duration: float
+    decode_tokens: int
+    prefill_tokens: int
+    prefill_requests: int
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    scheduled: dict[str, int]  # request id -> tokens computed this step
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache by admissions this step
+    num_forwards: int = 1  # > 1 when chunking.ubatch splits the step
+    preempted: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
