@@ -1,0 +1,93 @@
+"""Chunked prefill equals whole prefill: logits, cache contents, outputs, and streams beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+
+
+def capture_logits(eng):
+    """Record the logits rows the model runner returns, per step."""
+    seen = []
+    original = eng.runner.execute
+
+    def wrapped(scheduled):
+        logits = original(scheduled)
+        seen.append(logits.clone())
+        return logits
+
+    eng.runner.execute = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "prompt_len,chunk",
+    [(40, 40), (1, 8), (5, 64), (33, 8), (57, 7), (300, 64)],  # ==, prompt 1, chunk > prompt, % == 1
+)
+def test_last_position_logits_chunked_equal_whole(tiny_hf_model_dir, family, prompt_len, chunk):
+    path = tiny_hf_model_dir(family)
+    prompt = random_prompt(prompt_len, seed=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    whole = make_engine(path, enabled=False)
+    whole_logits = capture_logits(whole)
+    whole.generate([prompt], params)
+    chunked = make_engine(path, size=chunk)
+    chunked_logits = capture_logits(chunked)
+    chunked.generate([prompt], params)
+    assert len(chunked_logits) == -(-prompt_len // chunk)
+    # Intermediate chunks produce no logits rows at all; the last produces exactly one.
+    assert all(x.shape[0] == 0 for x in chunked_logits[:-1])
+    torch.testing.assert_close(chunked_logits[-1], whole_logits[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("prompt_len,chunk", [(1, 4), (16, 16), (17, 16), (45, 7), (10, 64)])
+def test_chunks_emit_nothing_and_cache_length_tracks_computed(tiny_hf_model_dir, backend, prompt_len, chunk):
+    eng = make_engine(tiny_hf_model_dir("qwen3"), backend=backend, size=chunk)
+    rid = eng.add_request(random_prompt(prompt_len, seed=2), SamplingParams(max_tokens=3, temperature=0.0))
+    req = eng.requests[rid]
+    cache0 = eng.kv.kv_caches[0][0].reshape(-1, *eng.kv.kv_caches[0].shape[-2:])
+    steps = 0
+    while req.num_computed_tokens < prompt_len:
+        outs = eng.step()
+        steps += 1
+        done_prefill = req.num_computed_tokens == prompt_len
+        assert [o.request_id for o in outs] == ([rid] if done_prefill else [])
+        assert eng.last_step.scheduled == {rid: min(chunk, prompt_len - (steps - 1) * chunk)}
+        # The cache holds keys for exactly the computed positions of this request.
+        bs = eng.kv.block_size
+        slots = [req.block_ids[p // bs] * bs + p % bs for p in range(len(req.block_ids) * bs)]
+        stored = [bool(cache0[s].abs().sum() > 0) for s in slots]
+        assert stored == [p < req.num_computed_tokens for p in range(len(slots))]
+    assert steps == -(-prompt_len // chunk)
+    assert eng.requests[rid].metrics.num_prefill_chunks == steps
+    run_to_completion(eng)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_decode_streams_unchanged_by_long_prefill_beside_them(tiny_hf_model_dir, family):
+    path = tiny_hf_model_dir(family)
+    short = [random_prompt(n, seed=10 + n) for n in (3, 9, 20)]
+    alone = make_engine(path, size=32).generate(short, GREEDY)
+
+    eng = make_engine(path, size=32)
+    ids = [eng.add_request(p, GREEDY) for p in short]
+    for _ in range(3):  # the short requests are decoding
+        eng.step()
+    long_id = eng.add_request(random_prompt(280, seed=99), GREEDY)
+    mixed_steps = 0
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        s = eng.last_step
+        if s is not None and long_id in s.scheduled and s.decode_tokens:
+            mixed_steps += 1
+    assert mixed_steps >= 5, "the long prompt should have been chunked beside running decodes"
+    for rid, ref in zip(ids, alone):
+        assert done[rid].output_token_ids == ref.output_token_ids

@@ -1,0 +1,167 @@
+"""No block leak under preemption, injected failures and random workloads; bad input never crashes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def path(tiny_hf_model_dir):
+    return tiny_hf_model_dir("qwen3")
+
+
+@pytest.mark.parametrize("backend,num_blocks", [("paged", 12), ("contiguous", 2)])
+def test_preemption_recomputes_and_outputs_stay_identical(path, backend, num_blocks):
+    prompts = [random_prompt(n, seed=n) for n in (20, 30, 25, 40)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = make_engine(path, size=16).generate(prompts, params)
+    eng = make_engine(path, backend=backend, num_blocks=num_blocks, size=16, max_model_len=128)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = run_to_completion(eng)
+    if backend == "paged":  # 12 blocks of 16 cannot hold four growing sequences: someone is preempted
+        assert sum(done[i].metrics.num_preemptions for i in ids) > 0
+    for rid, r in zip(ids, ref):
+        assert done[rid].output_token_ids == r.output_token_ids
+        assert len(done[rid].metrics.token_times) == 40
+
+
+def test_failure_mid_prefill_fails_only_that_steps_requests(path):
+    eng = make_engine(path, size=8)
+    a = eng.add_request(random_prompt(5, seed=1), GREEDY)
+    eng.step()  # a is decoding
+    original = eng.runner.execute
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step after b's admission: b is mid-prefill
+            raise RuntimeError("injected failure")
+        return original(scheduled)
+
+    eng.runner.execute = flaky
+    b = eng.add_request(random_prompt(40, seed=2), GREEDY)
+    eng.step()
+    assert 0 < eng.requests[b].num_computed_tokens < 40
+    outs = eng.step()
+    failed = {o.request_id: o for o in outs}
+    assert set(failed) == {a, b} and all(o.finish_reason == "error" for o in failed.values())
+    assert "injected failure" in failed[b].error
+    assert set(eng.last_step.failed) == {a, b}
+    c = eng.add_request(random_prompt(12, seed=3), GREEDY)
+    done = run_to_completion(eng)
+    assert done[c].finish_reason == "length" and len(done[c].output_token_ids) == 32
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=7),
+    max_tokens=st.lists(st.integers(1, 12), min_size=7, max_size=7),
+    chunk=st.integers(1, 40),
+    num_blocks=st.integers(6, 30),
+    budget=st.one_of(st.none(), st.integers(8, 64)),
+    fail_step=st.one_of(st.none(), st.integers(0, 15)),
+    arrivals=st.lists(st.integers(0, 3), min_size=7, max_size=7),
+)
+def test_random_workloads_never_leak_blocks(path, lengths, max_tokens, chunk, num_blocks, budget, fail_step, arrivals):
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(path=str(path), dtype="float32", device="cpu"),
+            cache=CacheConfig(block_size=4, num_blocks=num_blocks, max_model_len=128, prefix_caching=False),
+            chunking=ChunkingConfig(size=chunk, token_budget=budget),
+            max_num_seqs=4,
+        )
+    )
+    original = eng.runner.execute
+    state = {"step": 0}
+
+    def maybe_fail(scheduled):
+        state["step"] += 1
+        if state["step"] == fail_step:
+            raise RuntimeError("injected")
+        return original(scheduled)
+
+    eng.runner.execute = maybe_fail
+    pending = list(enumerate(lengths))
+    done = {}
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and arrivals[pending[0][0]] <= step:
+            i, n = pending.pop(0)
+            eng.add_request(random_prompt(n, seed=i), SamplingParams(max_tokens=max_tokens[i], temperature=0.0))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        used = sum(len(r.block_ids) for r in eng.scheduler.running)
+        assert eng.kv.pool.num_used == used, "blocks in use must equal the sum over live requests"
+        eng.kv.pool.check_invariants()
+        step += 1
+        assert step < 5000
+    assert len(done) == len(lengths)
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+    for out in done.values():
+        assert out.finish_reason in ("length", "stop", "error")
+        if out.finish_reason == "error":
+            assert out.error
+
+
+def test_bad_input_gets_a_clear_per_request_error(path):
+    eng = make_engine(path, size=16, max_model_len=64)
+    cases = {
+        "empty": ([], GREEDY, "empty prompt"),
+        "too_long": (random_prompt(60, seed=1), GREEDY, "max_model_len=64"),
+        "max_tokens": (random_prompt(5, seed=1), SamplingParams(max_tokens=0), "max_tokens=0"),
+        "vocab": ([5, 99999, -1], GREEDY, "outside the vocabulary"),
+        "top_p": (random_prompt(5, seed=1), SamplingParams(top_p=0.0), "top_p"),
+    }
+    for rid, (prompt, params, _) in cases.items():
+        eng.add_request(prompt, params, request_id=rid)
+    good = eng.add_request(random_prompt(5, seed=2), GREEDY, request_id="good")
+    done = run_to_completion(eng)
+    for rid, (_, _, needle) in cases.items():
+        assert done[rid].finish_reason == "error" and needle in done[rid].error, done[rid].error
+        assert done[rid].output_token_ids == []
+    assert done[good].finish_reason == "length"
+
+
+def test_duplicate_request_id_is_refused(path):
+    eng = make_engine(path)
+    eng.add_request([5, 6], GREEDY, request_id="x")
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        eng.add_request([5, 6], GREEDY, request_id="x")
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"chunking": ChunkingConfig(size=0)}, "chunking.size=0"),
+        ({"chunking": ChunkingConfig(token_budget=4)}, "chunking.token_budget=4"),
+        ({"chunking": ChunkingConfig(enabled=False, token_budget=100)}, "chunking.token_budget=100"),
+        ({"chunking": ChunkingConfig(prefill_interval=0)}, "chunking.prefill_interval=0"),
+        ({"chunking": ChunkingConfig(ubatch=0)}, "chunking.ubatch=0"),
+        ({"chunking": ChunkingConfig(max_chunks_per_step=0)}, "chunking.max_chunks_per_step=0"),
+        ({"chunking": ChunkingConfig(max_partial_prefills=0)}, "chunking.max_partial_prefills=0"),
+        ({"chunking": ChunkingConfig(decode_headroom=0)}, "chunking.decode_headroom=0"),
+        ({"cache": CacheConfig(backend="ring")}, "cache.backend='ring'"),
+        ({"cache": CacheConfig(block_size=0)}, "cache.block_size=0"),
+        ({"cache": CacheConfig(backend="contiguous", prefix_caching=True)}, "cache.prefix_caching=True"),
+        ({"max_num_seqs": 0}, "max_num_seqs=0"),
+        ({"model": ModelConfig(path=None, architecture=None)}, "model.path"),
+        ({"model": ModelConfig(path="x", dtype="float64")}, "model.dtype='float64'"),
+    ],
+)
+def test_invalid_config_names_the_key(path, overrides, needle):
+    kwargs = dict(model=ModelConfig(path=str(path), dtype="float32", device="cpu"), max_num_seqs=8)
+    kwargs.update(overrides)
+    with pytest.raises(ValueError) as err:
+        LLMEngine(EngineConfig(**kwargs))
+    assert needle in str(err.value)
+
+
+def test_max_model_len_beyond_model_positions(path):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_engine(path, max_model_len=100_000)
