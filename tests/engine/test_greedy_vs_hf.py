@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from tests.conftest import build_tiny_hf_model
 
+from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import GREEDY, hf_greedy, make_engine, random_prompt
 
 FAMILIES = ["llama", "qwen3", "gemma3"]  # gemma3: sliding window 16, crossing chunk boundaries

@@ -155,7 +155,7 @@ def test_duplicate_request_id_is_refused(path):
     ],
 )
 def test_invalid_config_names_the_key(path, overrides, needle):
-    kwargs = dict(model=ModelConfig(path=str(path), dtype="float32", device="cpu"), max_num_seqs=8)
+    kwargs = {"model": ModelConfig(path=str(path), dtype="float32", device="cpu"), "max_num_seqs": 8}
     kwargs.update(overrides)
     with pytest.raises(ValueError) as err:
         LLMEngine(EngineConfig(**kwargs))

@@ -53,7 +53,7 @@ def test_unchunked_prefills_whole_prompt_in_one_step(path):
     start_decodes(eng)
     long_id = eng.add_request(random_prompt(200, seed=7), GREEDY)
     steps, _ = trace(eng)
-    assert [s.scheduled[long_id] for s in steps if long_id in s.scheduled][0] == 200
+    assert next(s.scheduled[long_id] for s in steps if long_id in s.scheduled) == 200
 
 
 @pytest.mark.parametrize("budget", [8, 13, 40])
