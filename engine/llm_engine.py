@@ -161,10 +161,18 @@ class LLMEngine:
             self.last_step = None
             return outputs
         failed: list[str] = []
+        phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
         try:
+            t1 = time.perf_counter()
             logits = self.runner.execute(sched.scheduled)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
+            phases["prepare"] = self.runner.prepare_time
+            phases["forward"] = t2 - t1 - self.runner.prepare_time
             samplers = [s.request for s in sched.scheduled if s.samples]
             tokens = self.sampler.sample(logits, samplers) if samplers else []
+            phases["sample"] = time.perf_counter() - t2
         except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -177,7 +185,10 @@ class LLMEngine:
                 outputs.append(self._output(s.request, [], ""))
             self._record(sched, start, now, failed)
             return outputs
+        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
+        # toward the step, so the clock is advanced by it afterwards.
         now = self._end_step(t0)
+        t3 = time.perf_counter()
         token_iter = iter(tokens)
         for s in sched.scheduled:
             req = s.request
@@ -189,7 +200,10 @@ class LLMEngine:
             self.kv.register_computed(req)
             if s.samples:
                 outputs.append(self._append_token(req, next(token_iter), now))
-        self._record(sched, start, now, failed)
+        phases["update"] = time.perf_counter() - t3
+        self.clock.step_finished(phases["update"])
+        self._record(sched, start, self.clock.now(), failed)
+        self.last_step.phase_times = phases
         return outputs
 
     def _end_step(self, t0: float) -> float:

@@ -8,6 +8,7 @@ second sees the first's keys in the cache. The LM head runs only on rows that sa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +49,13 @@ class ModelRunner:
         self.device = device
         self.ubatch = ubatch
         self.num_forwards = 0  # of the last step
+        self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; returns float32 logits [S, vocab], one row per sampling request in order."""
         rows: list[torch.Tensor] = []
+        self.prepare_time = 0.0
         forwards = split_into_forwards(scheduled, self.ubatch)
         for pieces in forwards:
             logits = self._forward(pieces)
@@ -64,6 +67,7 @@ class ModelRunner:
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
+        t0 = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_indices = [], [], [], []
@@ -86,6 +90,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.prepare_time += time.perf_counter() - t0
         hidden = self.model(ids, pos, self.kv.kv_caches, meta)
         if not logits_indices:
             return None

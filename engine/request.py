@@ -110,3 +110,5 @@ class StepStats:
     num_forwards: int = 1  # > 1 when chunking.ubatch splits the step
     preempted: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    # Wall seconds per phase: schedule, prepare (batch + metadata), forward, sample, update.
+    phase_times: dict[str, float] = field(default_factory=dict)

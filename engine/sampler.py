@@ -39,7 +39,7 @@ class Sampler:
         return tokens.tolist()
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        n, vocab = logits.shape
+        _n, vocab = logits.shape
         dev = logits.device
         temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
         top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)

@@ -119,7 +119,7 @@ def test_virtual_clock_metrics(tiny_hf_model_dir):
     assert m.num_prefill_chunks == 3
     assert m.first_token_time == m.token_times[0] > m.first_scheduled_time
     assert all(b > a for a, b in zip(m.token_times, m.token_times[1:]))
-    assert m.finish_time == m.token_times[-1] == clock.now()
+    assert m.finish_time == m.token_times[-1] <= clock.now()  # the last update follows the token
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
