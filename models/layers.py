@@ -1,0 +1,168 @@
+"""Building blocks shared by the model families: RMSNorm, RoPE, gated MLP, paged attention.
+
+Every tensor is flattened over the batch: [T, ...] where T is the number of tokens in the step (prefill
+chunks and decodes of many sequences together). The math follows transformers' implementations step
+for step (same dtype casts, same operation order) so outputs match it closely in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata, attention
+from models.config import ModelArch
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. `offset=True` is Gemma's variant: scale by (1 + weight), cast last."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) for rope types default, linear and llama3."""
+    base = params["rope_theta"]
+    # Explicitly on CPU: models are built under torch.device("meta"), the table must hold real values.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    kind = params["rope_type"]
+    if kind == "linear":
+        return inv_freq / params["factor"]
+    if kind == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond old_len / low) are divided by factor, short ones (below old_len / high)
+        # kept; in between, interpolate smoothly between the two.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """cos/sin tables by absolute position, built once per device and dtype, indexed by `positions`.
+
+    The table covers max_position_embeddings (or the longest sequence seen, if longer) so it is built
+    once and never reallocated mid-run (CUDA graphs can hold on to it). Only half the head dim is stored:
+    the two halves of HF's cat(freqs, freqs) are equal.
+    """
+
+    def __init__(self, params: dict, head_dim: int, max_positions: int):
+        self.inv_freq = rope_inv_freq(params, head_dim)
+        self.max_positions = max_positions
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(
+        self, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < length:
+            n = max(length, self.max_positions, 0 if table is None else 2 * table[0].shape[0])
+            pos = torch.arange(n, device=device, dtype=torch.int64).float()
+            freqs = torch.outer(pos, self.inv_freq.to(device))  # float32, as HF computes them
+            table = self._tables[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        return table
+
+    def __call__(
+        self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim/2] for `positions` [T]; max_len bounds every position (host int)."""
+        cos, sin = self._table(max_len, positions.device, dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by the half-split (rotate_half) convention of HF checkpoints."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, then the paged attention op."""
+
+    def __init__(self, arch: ModelArch, layer: int, qk_norm: bool, norm_offset: bool = False):
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = arch.attention_scale
+        self.sliding_window = arch.window(layer)
+        self.softcap = arch.attn_logit_softcapping
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,32 @@
+"""Llama 3.x and Qwen3 decoder layers: pre-norm attention and SwiGLU MLP, each added to the residual.
+
+Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE (`qk_norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import AttentionMetadata
+from models.config import ModelArch
+from models.layers import MLP, Attention, RMSNorm
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int):
+        super().__init__()
+        self.self_attn = Attention(arch, layer, qk_norm=arch.family == "qwen3")
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, bias=arch.mlp_bias)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,236 @@
+"""load_model: resolve a model directory (local or the local HF cache), build the module, fill its weights.
+
+Weights come from *.safetensors (one file or shards with model.safetensors.index.json). Without weights,
+or without a path but with an `architecture` dict, the weights are random (normal(0,
+initializer_range), deterministic from `seed`) and a RandomWeightsWarning says so. The Hub is never
+contacted: repo ids resolve only through the local cache.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from models.config import ModelArch, arch_from_config
+from models.model import CausalLM
+
+
+class RandomWeightsWarning(UserWarning):
+    """The model runs with random weights: its outputs are meaningless (fine for tests and timings)."""
+
+
+def hf_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _looks_like_repo_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "\\" not in path
+
+
+def resolve_model_dir(path: str) -> Path:
+    """A local directory as is; an HF repo id through the local cache only. FileNotFoundError otherwise."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if _looks_like_repo_id(path):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+        cache = hf_cache_dir()
+        try:
+            return Path(snapshot_download(repo_id=path, local_files_only=True, cache_dir=cache))
+        except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError) as exc:
+            raise FileNotFoundError(
+                f"model.path={path!r} is not a local directory and this repo id is not in the local "
+                f"Hugging Face cache (looked in {cache}; set HF_HUB_CACHE/HF_HOME to use another one). "
+                f"ladle never downloads: fetch it first (`huggingface-cli download {path}`), or set "
+                f"model.path to a local model directory (config.json + *.safetensors), or set "
+                f"model.path=null with model.architecture to run with random weights. ({exc.__class__.__name__})"
+            ) from None
+    raise FileNotFoundError(
+        f"model.path={path!r} does not exist. Set model.path to a local model directory or an HF repo "
+        f"id present in the local cache ({hf_cache_dir()}), or model.path=null with model.architecture "
+        f"for random weights."
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or every *.safetensors."""
+    index = _read_json(model_dir / "model.safetensors.index.json")
+    if index is not None:
+        names = sorted(set(index["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{model_dir}: shards named in model.safetensors.index.json are missing: {missing}"
+            )
+        return [model_dir / n for n in names]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """The module with uninitialised weights on `device` (built on `meta`, so nothing is allocated twice)."""
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, files: list[Path]) -> None:
+    """Copy every parameter from the safetensors files, checking names and shapes."""
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                param = params.get(name)
+                if param is None:
+                    if not (name == "lm_head.weight" and model.arch.tie_word_embeddings):
+                        unexpected.append(name)
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(param.shape):
+                    raise ValueError(
+                        f"tensor {name!r} in {file.name} has shape {list(shape)} but the model "
+                        f"({model.arch.architecture}) expects {list(param.shape)}: the checkpoint does "
+                        f"not match its config.json"
+                    )
+                param.copy_(f.get_tensor(name))
+                loaded.add(name)
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        shown = ", ".join(f"{n!r} (shape {list(params[n].shape)})" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"checkpoint {files[0].parent} is missing tensor(s) {shown}{more} "
+            f"(searched {[f.name for f in files]})"
+        )
+    if unexpected:
+        warnings.warn(
+            f"ignored {len(unexpected)} tensor(s) the model does not use: {unexpected[:5]}", stacklevel=3
+        )
+
+
+@torch.no_grad()
+def init_random(model: CausalLM, seed: int) -> None:
+    """normal(0, initializer_range) for matrices, 1 for RMSNorm weights (0 for Gemma's 1+w), 0 for biases.
+
+    Drawn in place on the target device and dtype from a generator seeded with `seed`.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = model.arch.initializer_range
+    norm_value = 0.0 if model.arch.family == "gemma3" else 1.0
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(norm_value)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def load_model(
+    path: str | None,
+    architecture: dict[str, Any] | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+) -> CausalLM:
+    """Build a supported causal LM with the weights of `path`, or random ones from `architecture`.
+
+    path: an HF model directory or a repo id in the local HF cache; None for random weights.
+    architecture: config.json keys; used when path is None, cannot be found, or has no config.json.
+    The model's `arch` (ModelArch) carries the shapes and EOS ids the engine needs.
+    """
+    device = torch.device(device)
+    model_dir: Path | None = None
+    why_random = "model.path is null"
+    if path:
+        try:
+            model_dir = resolve_model_dir(str(path))
+        except FileNotFoundError as exc:
+            if architecture is None:
+                raise
+            why_random = str(exc)
+    config = _read_json(model_dir / "config.json") if model_dir else None
+    generation_config = _read_json(model_dir / "generation_config.json") if model_dir else None
+    if config is None:
+        if architecture is None:
+            raise FileNotFoundError(
+                f"{model_dir} has no config.json; point model.path at an HF model directory or give "
+                f"model.architecture (config.json keys)"
+            )
+        config = dict(architecture)
+        if model_dir is not None:
+            why_random = f"{model_dir} has no config.json"
+    arch = arch_from_config(config, generation_config)
+    model = build_model(arch, dtype, device)
+    files = weight_files(model_dir) if model_dir and (model_dir / "config.json").is_file() else []
+    if files:
+        load_weights(model, files)
+    else:
+        if model_dir is not None and (model_dir / "config.json").is_file():
+            why_random = f"{model_dir} has config.json but no *.safetensors weights"
+        warnings.warn(
+            f"model weights are RANDOM ({arch.architecture}, {arch.num_parameters() / 1e9:.2f}B parameters, "
+            f"seed {seed}): {why_random}. Outputs are meaningless; timings are real.",
+            RandomWeightsWarning,
+            stacklevel=2,
+        )
+        init_random(model, seed)
+    return model
+
+
+def resolve_dtype(
+    name: str | torch.dtype, device: torch.device | str, arch: ModelArch | None = None
+) -> torch.dtype:
+    """'auto' -> the checkpoint's bf16/fp16 on CUDA (bf16 if it says float32 or nothing), float32 on CPU."""
+    if isinstance(name, torch.dtype):
+        return name
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
+    if name in names:
+        return names[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}; use auto or one of {sorted(names)}")
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    wanted = names.get(arch.torch_dtype) if arch and arch.torch_dtype else None
+    return wanted if wanted in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

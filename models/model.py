@@ -1,0 +1,79 @@
+"""The causal LM every family shares: embeddings, decoder layers, final norm, LM head.
+
+Module names mirror transformers' (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`,
+`model.norm`, `lm_head`) so a checkpoint's state dict loads with no renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata
+from models.config import ModelArch
+from models.gemma3 import Gemma3DecoderLayer
+from models.layers import RMSNorm, RotaryEmbedding
+from models.llama import LlamaDecoderLayer
+
+LAYER_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaDecoderLayer,
+    "qwen3": LlamaDecoderLayer,
+    "gemma3": Gemma3DecoderLayer,
+}
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        layer_cls = LAYER_CLASSES[arch.family]
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=arch.family == "gemma3")
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden [T, hidden];
+    compute_logits(hidden[S, hidden]) -> float32 logits [S, vocab]."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+        self.rope = {
+            t: RotaryEmbedding(p, arch.head_dim, arch.max_position_embeddings)
+            for t, p in arch.rope_parameters.items()
+        }
+        self._layer_types = list(arch.layer_types)
+        # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype first (as HF does).
+        self._embed_scale = arch.hidden_size**0.5 if arch.family == "gemma3" else None
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self._embed_scale is not None:
+            x = x * torch.tensor(self._embed_scale, dtype=x.dtype).item()
+        max_len = max(meta.max_seq_len, 1)
+        ropes = {t: rope(positions, max_len, x.dtype) for t, rope in self.rope.items()}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, ropes[self._layer_types[i]], kv_caches[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on the rows that sample; float32 out (softcapped for Gemma when configured)."""
+        logits = F.linear(hidden, self.lm_head.weight).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

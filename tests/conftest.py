@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random HF models (transformers' own config classes), saved with save_pretrained.
+
+    def test_x(tiny_hf_model_dir):
+        path = tiny_hf_model_dir("qwen3")      # a directory: config.json, generation_config.json, safetensors
+        model = models.load_model(str(path), None, torch.float32, "cpu")
+
+Names: see TINY_HF_MODELS. Each is built once per session. `build_tiny_hf_model(name)` returns the
+transformers model itself (fp32, eager attention) for use as a reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+_COMMON = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+_LLAMA3_ROPE = {
+    # A small original context so that high, medium and low frequencies all occur with head_dim 16.
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# name -> (config class name, kwargs)
+TINY_HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        dict(_COMMON, rope_theta=10000.0, rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=False),
+    ),
+    "llama_tied": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=24,
+        ),
+    ),
+    "gemma3_softcap": (
+        "Gemma3TextConfig",
+        dict(
+            _COMMON,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            attn_logit_softcapping=5.0,  # stored but unused by transformers' Gemma 3 (and so by ladle)
+            final_logit_softcapping=3.0,
+        ),
+    ),
+}
+
+_MODEL_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
+}
+
+
+def build_tiny_hf_model(name: str, seed: int = 0):
+    """A transformers model for TINY_HF_MODELS[name], fp32, eager attention, deterministic random weights.
+
+    Weights are drawn wider than HF's default init (and norms perturbed) so that logits are far from
+    uniform and every parameter, including the norm weights, affects the output.
+    """
+    import transformers
+
+    config_name, kwargs = TINY_HF_MODELS[name]
+    config = getattr(transformers, config_name)(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, _MODEL_CLASSES[config_name])(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """tiny_hf_model_dir(name, max_shard_size=None) -> a save_pretrained directory, built once per session."""
+    cache: dict[tuple[str, str | None], Path] = {}
+
+    def get(name: str, max_shard_size: str | None = None) -> Path:
+        key = (name, max_shard_size)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"hf_{name}")
+            model = build_tiny_hf_model(name)
+            if max_shard_size:
+                model.save_pretrained(path, max_shard_size=max_shard_size)
+            else:
+                model.save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return get

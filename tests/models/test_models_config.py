@@ -1,0 +1,89 @@
+"""ModelArch parsing: the legacy and new config forms of RoPE, layer types, HF defaults."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from models import arch_from_config
+from models.layers import rope_inv_freq
+from tests.conftest import _MODEL_CLASSES, TINY_HF_MODELS
+
+
+def hf_config(name: str):
+    config_name, kwargs = TINY_HF_MODELS[name]
+    return getattr(transformers, config_name)(**kwargs)
+
+
+def saved_form(name: str) -> dict:
+    """config.json as transformers 5 writes it (rope_parameters, layer_types...)."""
+    config = hf_config(name)
+    return {**config.to_dict(), "architectures": [_MODEL_CLASSES[TINY_HF_MODELS[name][0]]]}
+
+
+@pytest.mark.parametrize("name", list(TINY_HF_MODELS))
+def test_legacy_and_saved_forms_agree(name):
+    legacy = {"architectures": [_MODEL_CLASSES[TINY_HF_MODELS[name][0]]], **TINY_HF_MODELS[name][1]}
+    with pytest.warns(UserWarning) if "softcap" in name else contextlib.nullcontext():
+        a, b = arch_from_config(legacy), arch_from_config(saved_form(name))
+    assert a == b
+    config = hf_config(name)
+    assert a.layer_types == list(getattr(config, "layer_types", None) or ["full_attention"] * a.num_layers)
+    assert a.head_dim == config.head_dim and a.num_kv_heads == config.num_key_value_heads
+
+
+@pytest.mark.filterwarnings("ignore:Gemma 3 ignores attn_logit_softcapping")
+def test_gemma_rope_per_layer_type():
+    arch = arch_from_config(saved_form("gemma3_softcap"))
+    assert arch.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+    assert arch.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert arch.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert arch.window(0) == 8 and arch.window(1) is None
+    assert arch.attn_logit_softcapping is None and arch.final_logit_softcapping == 3.0
+    assert arch.attention_scale == 256**-0.5
+
+
+@pytest.mark.filterwarnings("ignore:Gemma 3 ignores attn_logit_softcapping")
+@pytest.mark.parametrize("name,layer_type", [("llama", None), ("gemma3_softcap", "full_attention")])
+def test_inv_freq_matches_transformers(name, layer_type):
+    config = hf_config(name)
+    arch = arch_from_config(saved_form(name))
+    params = arch.rope_parameters[layer_type or "full_attention"]
+    kwargs = {"layer_type": layer_type} if layer_type else {}
+    expected, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None, **kwargs)
+    assert scaling == 1.0
+    torch.testing.assert_close(rope_inv_freq(params, arch.head_dim), expected, atol=0, rtol=0)
+
+
+def test_qwen3_sliding_window_only_when_enabled():
+    base = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "sliding_window": 8}
+    assert arch_from_config({**base, "max_window_layers": 2}).sliding_window is None
+    arch = arch_from_config({**base, "max_window_layers": 2, "use_sliding_window": True})
+    assert arch.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2 and arch.sliding_window == 8
+
+
+def test_defaults_follow_transformers_config_classes():
+    for family, cls in [
+        ("LlamaForCausalLM", "LlamaConfig"),
+        ("Qwen3ForCausalLM", "Qwen3Config"),
+        ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    ]:
+        ours = arch_from_config({"architectures": [family]})
+        theirs = getattr(transformers, cls)()
+        assert ours.num_layers == theirs.num_hidden_layers and ours.vocab_size == theirs.vocab_size
+        their_types = getattr(theirs, "layer_types", None) or ["full_attention"] * theirs.num_hidden_layers
+        assert ours.head_dim == theirs.head_dim and ours.layer_types == list(their_types)
+        assert ours.max_position_embeddings == theirs.max_position_embeddings
+        assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+
+
+def test_model_type_alone_is_enough_and_unsupported_rope_is_named():
+    assert arch_from_config({"model_type": "gemma3_text"}).architecture == "Gemma3ForCausalLM"
+    with pytest.raises(ValueError, match="yarn"):
+        arch_from_config({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="text-only"):
+        arch_from_config({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})

@@ -1,0 +1,167 @@
+"""load_model: safetensors (single and sharded), the local HF cache, random weights, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import RandomWeightsWarning, load_model
+from tests.conftest import TINY_HF_MODELS
+from tests.models.ladle_driver import prompt_logits
+
+QWEN3_ARCH = {"architectures": ["Qwen3ForCausalLM"], **TINY_HF_MODELS["qwen3"][1]}
+
+
+def load(path, architecture=None, **kw):
+    return load_model(None if path is None else str(path), architecture, torch.float32, "cpu", **kw)
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_unknown_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError) as err:
+        load(None, {"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    msg = str(err.value)
+    assert "MistralForCausalLM" in msg
+    for supported in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        assert supported in msg
+
+
+def test_missing_tensor_is_named(tiny_hf_model_dir, tmp_path):
+    path = copy_model(tiny_hf_model_dir("qwen3"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\[128, 64\]"):
+        load(path)
+
+
+def test_misshaped_tensor_names_both_shapes(tiny_hf_model_dir, tmp_path):
+    path = copy_model(tiny_hf_model_dir("qwen3"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        load(path)
+    msg = str(err.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "[16, 64]" in msg and "[32, 64]" in msg
+
+
+def test_repo_id_not_in_local_cache_says_where_it_looked(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with pytest.raises(FileNotFoundError) as err:
+        load("acme/not-downloaded")
+    msg = str(err.value)
+    assert str(tmp_path / "hf-cache") in msg and "model.path" in msg and "acme/not-downloaded" in msg
+
+
+def test_repo_id_not_cached_with_architecture_falls_back_to_random(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with pytest.warns(RandomWeightsWarning, match="acme/not-downloaded"):
+        model = load("acme/not-downloaded", QWEN3_ARCH)
+    assert model.arch.architecture == "Qwen3ForCausalLM"
+
+
+def test_repo_id_resolves_through_the_local_cache(tiny_hf_model_dir, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny-qwen3"
+    shutil.copytree(tiny_hf_model_dir("qwen3"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert_same_weights(load("acme/tiny-qwen3"), load(tiny_hf_model_dir("qwen3")))
+
+
+def test_sharded_checkpoint_loads(tiny_hf_model_dir):
+    sharded = tiny_hf_model_dir("llama", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert_same_weights(load(sharded), load(tiny_hf_model_dir("llama")))
+
+
+def test_random_init_is_deterministic_per_seed():
+    with pytest.warns(RandomWeightsWarning, match="RANDOM"):
+        a, b, c = (load(None, QWEN3_ARCH, seed=s) for s in (3, 3, 4))
+    assert_same_weights(a, b)
+    w_a, w_c = a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(w_a, w_c)
+    assert abs(w_a.std().item() - 0.02) < 0.002 and w_a.mean().abs().item() < 0.002
+    assert torch.equal(a.model.norm.weight, torch.ones(64))
+    assert torch.equal(a.model.layers[0].self_attn.q_norm.weight, torch.ones(16))
+
+
+def test_gemma_random_norms_are_zero_because_they_scale_by_one_plus_weight():
+    arch = {"architectures": ["Gemma3ForCausalLM"], **TINY_HF_MODELS["gemma3"][1]}
+    with pytest.warns(RandomWeightsWarning):
+        model = load(None, arch)
+    assert torch.equal(model.model.layers[0].pre_feedforward_layernorm.weight, torch.zeros(64))
+
+
+def test_random_init_in_bf16_draws_directly_in_bf16():
+    with pytest.warns(RandomWeightsWarning):
+        model = load_model(None, QWEN3_ARCH, torch.bfloat16, "cpu", seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    logits = prompt_logits(model, list(range(3, 40)))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_config_without_weights_gives_random_weights_of_that_config(tiny_hf_model_dir, tmp_path):
+    (tmp_path / "config.json").write_text((tiny_hf_model_dir("gemma3") / "config.json").read_text())
+    with pytest.warns(RandomWeightsWarning, match="no \\*.safetensors"):
+        model = load(tmp_path)
+    assert model.arch.family == "gemma3" and model.arch.sliding_window == 16
+
+
+def test_missing_local_path_without_architecture_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.path"):
+        load(tmp_path / "nowhere")
+
+
+def test_eos_ids_come_from_generation_config_then_config(tiny_hf_model_dir, tmp_path):
+    path = copy_model(tiny_hf_model_dir("qwen3"), tmp_path / "m")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 7]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    assert load(path).arch.eos_token_ids == [2, 7]
+    (path / "generation_config.json").unlink()
+    assert load(path).arch.eos_token_ids == [2]
+
+
+def test_tied_and_untied_lm_head(tiny_hf_model_dir):
+    tied = load(tiny_hf_model_dir("llama_tied"))
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied = load(tiny_hf_model_dir("llama"))
+    assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
+
+
+def test_bf16_weights_track_fp32(tiny_hf_model_dir):
+    path = tiny_hf_model_dir("gemma3")
+    prompt = list(range(3, 60))
+    ref = prompt_logits(load(path), prompt)
+    model = load_model(str(path), None, torch.bfloat16, "cpu")
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    logits = prompt_logits(model, prompt)
+    assert logits.dtype == torch.float32
+    assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
