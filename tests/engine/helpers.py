@@ -49,10 +49,12 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int = 32) -> list[int
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
+            eos_token_id=None,  # like ignore_eos: no stopping and no EOS masking
         )
-    return out[0, len(prompt) :].tolist()
+    tokens = out[0, len(prompt) :].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens
 
 
 def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
