@@ -1,0 +1,62 @@
+"""`python -m runner` / `ladle`: run a job from the Hydra config tree in conf/ (see docs/RUNNER.md).
+
+    python -m runner                                          # tiny model, the shipped sample prompts
+    python -m runner model=qwen3_4b chunking.size=256
+    python -m runner --multirun chunking.size=128,512,1024    # + sweep report at the sweep root
+    python -m runner workload=parquet workload.path=questions.parquet workload.prompt_column=question
+
+The config tree lives at the repository root (conf/); its path is found relative to this package, so
+it works from any directory, from an editable install (`pip install -e .`) and as the `ladle` script.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from runner.config import CONF_DIR, ConfigError, register_configs
+
+log = logging.getLogger("ladle")
+
+register_configs()
+
+if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken install
+    sys.exit(f"ladle: the config tree is missing (looked for {CONF_DIR / 'config.yaml'}); "
+             "install ladle from its repository with `pip install -e .`")
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # finalise the outputs as Ctrl-C does
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    from runner.job import run_job
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)})
+    except ConfigError as e:
+        log.error("%s", e)
+        print(f"ladle: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.interrupted:
+        sys.exit(130)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The job's config schema: the engine's dataclasses plus the runner's, registered in Hydra's ConfigStore.
+
+`conf/config.yaml` starts its defaults list with `ladle_schema` (the `JobConfig` below), so every group
+file and command-line override is merged onto a typed node: a wrong key or a wrong type fails at
+compose time naming the key (`chunking.sise=3` -> "Key 'sise' not in 'ChunkingConfig'").
+Checks that need more than a type (allowed values, required paths) live in `check()`, which runs
+before any data is read or any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
+
+from engine.config import CacheConfig, ChunkingConfig, EngineConfig, ModelConfig
+from engine.sampling_params import SamplingParams
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+SOURCE_KINDS = ("parquet", "arrow", "hf_dataset", "jsonl", "synthetic")
+PROMPT_FORMATS = ("auto", "text", "chat", "tokens")
+ARRIVAL_PROCESSES = ("offline", "poisson", "gamma", "trace")
+CLOCKS = ("virtual", "wall")
+
+
+class ConfigError(ValueError):
+    """A config value a user set (or forgot) that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class ArrivalConfig:
+    process: str = "offline"  # offline (all at start) | poisson | gamma | trace
+    rate: float = 1.0  # poisson, gamma: mean requests per second
+    burstiness: float = 1.0  # gamma shape: 1 = poisson, < 1 burstier, > 1 more regular
+    column: str = "arrival"  # trace: the column holding each request's arrival time
+    unit: str = "s"  # trace: s | ms
+    start: float = 0.0  # seconds added to every arrival
+    seed: int = 0
+
+
+@dataclass
+class SyntheticGroup:
+    """One population of random-token prompts (a workload may mix several, e.g. decode streams + long prompts)."""
+
+    name: str = "prompts"
+    num_requests: int = 32
+    prompt_len: int = 128  # median length in tokens of each prompt's own part (lognormal)
+    prompt_len_sigma: float = 0.0  # sigma of log(length); 0 = every prompt is prompt_len long
+    min_prompt_len: int = 1
+    max_prompt_len: int | None = None
+    shared_prefix_len: int = 0  # tokens of a preamble shared by the whole group, put before each prompt
+    max_tokens: int | None = None  # median output length; null = sampling.max_tokens
+    max_tokens_sigma: float = 0.0  # sigma of log(max_tokens)
+    arrival: ArrivalConfig | None = None  # this group's own arrivals (read with arrivals.process=trace)
+
+
+@dataclass
+class SyntheticConfig:
+    groups: list[SyntheticGroup] = field(default_factory=lambda: [SyntheticGroup()])
+    seed: int = 0
+    min_token_id: int = 0  # random ids are drawn from [min_token_id, vocab size)
+    vocab_size: int | None = None  # null = the engine's tokenizer vocabulary
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "sample"
+    kind: str = "parquet"  # parquet | arrow | hf_dataset | jsonl | synthetic
+    path: str | None = None  # file or directory (parquet, arrow); save_to_disk dir or data files (hf_dataset)
+    split: str | None = None  # hf_dataset: split of a DatasetDict (null = train, or the only split)
+    hf_builder: str | None = None  # hf_dataset data files: json | csv | parquet | text ... (null = from extension)
+    prompt_column: str = "prompt"
+    prompt_format: str = "auto"  # auto (by value: str | list of {role, content} | list of ints) | text | chat | tokens
+    chat_template: bool = False  # wrap text prompts as one user message and apply the tokenizer's chat template
+    id_column: str | None = None  # null = the row index
+    max_tokens_column: str | None = None  # per-row max_tokens (null values fall back to sampling.max_tokens)
+    limit: int | None = None  # read at most this many rows
+    batch_size: int = 256  # rows per record batch read from the source
+    ignore_eos: bool | None = None  # null = sampling.ignore_eos (synthetic benchmarks set true)
+    arrivals: ArrivalConfig = field(default_factory=ArrivalConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class OutputConfig:
+    include_prompt: bool = True  # write the prompt text (chat: messages as JSON) in generations.parquet
+    row_group_size: int = 256  # generations rows per Parquet row group (each one is flushed when full)
+    steps_row_group_size: int = 4096  # steps rows per row group
+    plots: bool = True
+    progress: bool = True  # tqdm bar (also off when stderr is not a terminal)
+    print_summary: bool = True
+    resume: bool = True  # skip requests already in generations.parquet of the run directory
+    retry_errors: bool = False  # on resume, run rows that errored before again
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    max_num_seqs: int = 64  # most requests running at once
+    max_pending: int | None = None  # most requests read but unfinished (null = 4 x max_num_seqs)
+    seed: int = 0  # engine sampling seed (requests without their own)
+    clock: str = "virtual"  # virtual (replay: idle gaps are skipped, latencies are compute time) | wall
+
+
+def _data_path(name: str) -> str:
+    """`${ladle_data:prompts.parquet}`: a file shipped in runner/data (works installed or from the repo)."""
+    return str(DATA_DIR / name)
+
+
+def register_configs() -> None:
+    """Register the schema and resolvers (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="ladle_schema", node=JobConfig)
+    if not OmegaConf.has_resolver("ladle_data"):
+        OmegaConf.register_new_resolver("ladle_data", _data_path)
+
+
+def to_job_config(cfg: DictConfig) -> JobConfig:
+    """The composed DictConfig as typed dataclasses (resolves interpolations)."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        key = e.full_key or "?"
+        raise ConfigError(f"{key} is required and not set: add {key}=<value> to the command line") from None
+    unknown = _unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (added with '+'?); see docs/RUNNER.md")
+    if not isinstance(obj, JobConfig):  # composed without the schema (should not happen)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), cfg))
+    assert isinstance(obj, JobConfig)
+    return obj
+
+
+def _unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys a `+key=value` override added to a typed node (the schema would otherwise ignore them)."""
+    out = []
+    if isinstance(node, DictConfig):
+        typ = OmegaConf.get_type(node)
+        names = {f.name for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else None
+        for key in node:
+            if key == "hydra" and not prefix:
+                continue
+            full = f"{prefix}{key}"
+            if names is not None and key not in names:
+                out.append(full)
+            elif names is not None:
+                out += _unknown_keys(node._get_node(key), full + ".")
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node._iter_ex(resolve=False)):
+            out += _unknown_keys(item, f"{prefix[:-1]}[{i}].")
+    return out
+
+
+def engine_config(job: JobConfig) -> EngineConfig:
+    return EngineConfig(model=job.model, cache=job.cache, chunking=job.chunking,
+                        max_num_seqs=job.max_num_seqs, seed=job.seed)
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is invalid: use one of {', '.join(allowed)}")
+
+
+def check(job: JobConfig) -> None:
+    """Every runner value that types alone do not catch, plus the engine's own validate()."""
+    w = job.workload
+    _one_of("workload.kind", w.kind, SOURCE_KINDS)
+    _one_of("workload.prompt_format", w.prompt_format, PROMPT_FORMATS)
+    _one_of("workload.arrivals.process", w.arrivals.process, ARRIVAL_PROCESSES)
+    _one_of("workload.arrivals.unit", w.arrivals.unit, ("s", "ms"))
+    _one_of("clock", job.clock, CLOCKS)
+    if w.kind != "synthetic" and not w.path:
+        raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
+    if w.arrivals.process in ("poisson", "gamma") and not w.arrivals.rate > 0:
+        raise ConfigError(f"workload.arrivals.rate={w.arrivals.rate} must be > 0 (requests per second)")
+    if w.arrivals.process == "gamma" and not w.arrivals.burstiness > 0:
+        raise ConfigError(f"workload.arrivals.burstiness={w.arrivals.burstiness} must be > 0")
+    if w.limit is not None and w.limit < 0:
+        raise ConfigError(f"workload.limit={w.limit} must be >= 0 or null")
+    if w.batch_size < 1:
+        raise ConfigError(f"workload.batch_size={w.batch_size} must be >= 1")
+    if w.kind == "synthetic":
+        if not w.synthetic.groups:
+            raise ConfigError("workload.synthetic.groups is empty: give at least one group")
+        for i, g in enumerate(w.synthetic.groups):
+            key = f"workload.synthetic.groups[{i}]"
+            if g.num_requests < 0 or g.prompt_len < 1 or g.min_prompt_len < 1:
+                raise ConfigError(f"{key}: num_requests must be >= 0, prompt_len and min_prompt_len >= 1")
+            if g.shared_prefix_len < 0 or g.prompt_len_sigma < 0 or g.max_tokens_sigma < 0:
+                raise ConfigError(f"{key}: shared_prefix_len and the sigmas must be >= 0")
+            if g.arrival is not None:
+                _one_of(f"{key}.arrival.process", g.arrival.process, ("offline", "poisson", "gamma"))
+    if job.output.row_group_size < 1 or job.output.steps_row_group_size < 1:
+        raise ConfigError("output.row_group_size and output.steps_row_group_size must be >= 1")
+    if job.max_pending is not None and job.max_pending < job.max_num_seqs:
+        raise ConfigError(f"max_pending={job.max_pending} must be >= max_num_seqs ({job.max_num_seqs}) or null")
+    problems = job.sampling.problems()
+    if problems:
+        raise ConfigError("sampling: " + "; ".join(problems))
+    try:
+        engine_config(job).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

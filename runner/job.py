@@ -1,0 +1,419 @@
+"""The job: config -> source -> arrivals -> engine -> sinks -> report.
+
+The loop keeps three things apart:
+- read-ahead: rows are read, tokenized and given their arrival time until `max_pending` requests are
+  read but unfinished (requests waiting for their arrival + requests in the engine), so memory is
+  bounded whatever the dataset's size;
+- arrival: a request enters the engine once the engine's clock has passed its arrival time, with that
+  time as its arrival (so queueing behind a busy engine counts in its TTFT);
+- time: when the engine has nothing to do, the clock jumps to the next arrival
+  (`clock.advance_to`: a virtual clock skips the gap, a wall clock sleeps).
+Every finished request becomes a generations row and every engine step a steps row, written in row
+groups; the sinks are finalised in a `finally`, so an interrupted run leaves readable files that the
+next run into the same directory resumes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from engine.sampling_params import SamplingParams
+from runner.arrivals import ArrivalError, Arrivals
+from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config
+from runner.report import format_table, summarize, write_summary
+from runner.sinks import (
+    CONFIG_KEY,
+    STEPS_SCHEMA,
+    ParquetSink,
+    generations_schema,
+    previous_attempts,
+    previous_batches,
+    read_config_yaml,
+    recover,
+)
+from runner.source import Row, Source, encode_prompt, open_source
+
+log = logging.getLogger("ladle")
+
+GENERATIONS = "generations.parquet"
+STEPS = "steps.parquet"
+SUMMARY = "summary.json"
+NO_PROGRESS_LIMIT = 10_000  # consecutive engine steps without a token: the engine is stuck
+
+
+@dataclass(slots=True)
+class Pending:
+    row: Row
+    arrival: float  # seconds from the job's start
+    token_ids: list[int] | None
+    text: str | None
+    params: SamplingParams | None
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    files: dict[str, Path] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def make_engine(job: JobConfig) -> Any:
+    from engine import LLMEngine
+    from engine.clock import VirtualClock, WallClock
+
+    clock = VirtualClock() if job.clock == "virtual" else WallClock()
+    try:
+        return LLMEngine(engine_config(job), clock=clock)
+    except ValueError as e:  # the engine's config checks (e.g. max_model_len beyond the model's)
+        raise ConfigError(str(e)) from e
+
+
+def vocab_size(engine: Any) -> int | None:
+    for obj, name in ((engine, "vocab_size"), (engine.tokenizer, "vocab_size")):
+        v = getattr(obj, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    try:
+        return len(engine.tokenizer)
+    except TypeError:
+        return None
+
+
+def _as_max_tokens(value: Any, default: int) -> tuple[int, str | None]:
+    if value is None:
+        return default, None
+    if isinstance(value, bool):
+        return default, f"max_tokens column holds {value!r}, not an integer"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        try:
+            value = int(str(value))
+        except ValueError:
+            return default, f"max_tokens column holds {value!r}, not an integer"
+    return value, None
+
+
+def _rel(t: float | None, t0: float) -> float | None:
+    return None if t is None else t - t0
+
+
+class Job:
+    def __init__(self, cfg: DictConfig, out_dir: str | Path, engine: Any = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.job = to_job_config(cfg)
+        check(self.job)
+        self.out_dir = Path(out_dir)
+        self.engine = engine
+        self.extra = dict(extra or {})
+        self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+
+    # ------------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        job, out = self.job, self.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        gen_path, steps_path = out / GENERATIONS, out / STEPS
+        source = open_source(job.workload)  # checks paths and columns before the model loads
+        log.info("source: %s%s", source.description, f", {source.total} rows" if source.total is not None else "")
+
+        for p in (gen_path, steps_path):
+            recover(p)
+            if not job.output.resume and p.exists():
+                p.unlink()
+        self._warn_if_config_changed(gen_path)
+        done = self._done_ids(gen_path)
+        attempt = max(previous_attempts(gen_path), previous_attempts(steps_path))
+        if done:
+            log.info("resuming into %s: %d requests already done, attempt %d", out, len(done), attempt)
+
+        if self.engine is None:
+            log.info("loading model %s", job.model.name)
+            self.engine = make_engine(job)
+        eng = self.engine
+        source.vocab_size = vocab_size(eng)
+
+        loop = _Loop(self, eng, source, done, attempt)
+        meta = {CONFIG_KEY: self.config_yaml.encode()}
+        gen = ParquetSink(gen_path, generations_schema(job.output.include_prompt), job.output.row_group_size, meta)
+        try:
+            steps = ParquetSink(steps_path, STEPS_SCHEMA, job.output.steps_row_group_size, meta)
+        except BaseException:
+            gen.close()
+            raise
+        self.gen, self.steps = gen, steps
+        interrupted = copied = False
+        wall0 = time.perf_counter()
+        try:
+            for t in previous_batches(gen_path, True, job.output.retry_errors):
+                gen.write_table(t)
+            for t in previous_batches(steps_path, False):
+                steps.write_table(t)
+            copied = True
+            loop.run()
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted: %d requests in %s; run again into %s to resume", gen.rows_written,
+                        gen_path.name, out)
+        finally:
+            loop.close()
+            for sink in (gen, steps):
+                if copied:
+                    sink.close()
+                else:  # until the previous rows are copied, the old files are the only complete ones
+                    sink.abort()
+
+        extra = {
+            "model": job.model.name,
+            "workload": job.workload.name,
+            "clock": job.clock,
+            "max_model_len": getattr(eng, "max_model_len", None),
+            "kv_blocks_total": _call(eng, "num_total_blocks"),
+            "resumed": loop.resumed,
+            "complete": not interrupted,
+            "wall_time_s": time.perf_counter() - wall0,
+            "run_dir": str(out.resolve()),
+            "config": {"max_num_seqs": job.max_num_seqs, "cache": dataclasses.asdict(job.cache),
+                       "chunking": dataclasses.asdict(job.chunking)},
+            **self.extra,
+        }
+        summary = summarize(gen_path, steps_path, extra)
+        files = {"generations": gen_path, "steps": steps_path, "summary": out / SUMMARY}
+        write_summary(summary, files["summary"])
+        if job.output.plots and not interrupted:
+            files.update(self._plots(gen_path, steps_path))
+        if job.output.print_summary:
+            print(format_table(summary))
+            print(f"\noutputs in {out.resolve()}:")
+            for name, p in files.items():
+                print(f"  {name:<12} {p.name}")
+        return RunResult(out, summary, files, interrupted)
+
+    def _warn_if_config_changed(self, gen_path: Path) -> None:
+        """Resuming with another model, sampling or dataset mixes rows of two experiments: say so."""
+        previous = read_config_yaml(gen_path) if self.job.output.resume else None
+        if not previous:
+            return
+        old, new = OmegaConf.create(previous), OmegaConf.create(self.config_yaml)
+        for c in (old, new):
+            for key in ("limit", "batch_size"):  # changing how much is read is what resuming is for
+                c.workload.pop(key, None)
+        changed = [k for k in ("model", "sampling", "workload") if old.get(k) != new.get(k)]
+        if changed:
+            log.warning("resuming into %s, whose rows were made with a different %s config; "
+                        "use a new hydra.run.dir (or output.resume=false) to start over",
+                        self.out_dir, "/".join(changed))
+
+    def _done_ids(self, gen_path: Path) -> set[str]:
+        done: set[str] = set()
+        if self.job.output.resume:
+            for t in previous_batches(gen_path, True, self.job.output.retry_errors):
+                done.update(t.column("id").to_pylist())
+        return done
+
+    def _plots(self, gen_path: Path, steps_path: Path) -> dict[str, Path]:
+        from runner.plots import plot_latency, plot_schedule
+
+        title = f"{self.job.model.name} / {self.job.workload.name}"
+        made = {}
+        for name, plot, src in (("schedule", plot_schedule, steps_path), ("latency", plot_latency, gen_path)):
+            try:
+                made[name] = plot(src, self.out_dir / f"{name}.png", title)
+            except Exception as e:  # noqa: BLE001 - a plot must never cost the run its outputs
+                log.warning("%s plot failed: %s", name, e)
+        return made
+
+
+def _call(obj: Any, name: str) -> Any:
+    f = getattr(obj, name, None)
+    return f() if callable(f) else None
+
+
+class _Loop:
+    """Feeds the engine from the source by arrival time and writes what comes out."""
+
+    def __init__(self, job: Job, eng: Any, source: Source, done: set[str], attempt: int) -> None:
+        self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
+        self.cfg = job.job
+        self.clock = eng.clock
+        self.t0 = self.clock.now()  # reset when the loop starts
+        self.max_pending = self.cfg.max_pending or 4 * self.cfg.max_num_seqs
+        self.heap: list[tuple[float, int, Pending]] = []  # (absolute arrival, source order, request)
+        self.in_engine: dict[str, Pending] = {}
+        self.resumed = 0
+        self.arrived = 0  # requests added since the last step
+        self.last_step: int | None = None
+        self.output_tokens = 0
+        self.bar = self._progress_bar()
+        self._postfix_at = 0.0
+
+    def _progress_bar(self) -> Any:
+        from tqdm import tqdm
+
+        out = self.cfg.output
+        total = None if self.source.total is None else max(0, self.source.total - len(self.done))
+        disable = not out.progress or not sys.stderr.isatty()
+        return tqdm(total=total, unit="req", desc="requests", disable=disable, dynamic_ncols=True, leave=False)
+
+    def close(self) -> None:
+        """Abort what is still in the engine (after an interrupt), so the engine can be used again."""
+        self.bar.close()
+        abort = getattr(self.eng, "abort_request", None)
+        if abort is not None:
+            for rid in self.in_engine:
+                abort(rid)
+        self.in_engine.clear()
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _requests(self) -> Iterator[Pending]:
+        w = self.cfg.workload
+        base = self.cfg.sampling
+        if w.ignore_eos is not None:
+            base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
+        arrivals = Arrivals(w.arrivals)
+        tok = self.eng.tokenizer
+        seen: set[str] | None = set() if w.id_column else None
+        for batch in self.source.batches():
+            for row in batch:
+                error = row.error
+                try:
+                    arrival = arrivals.next(row.arrival)
+                except ArrivalError as e:
+                    arrival, error = math.nan, error or str(e)
+                if row.id in self.done:
+                    self.resumed += 1
+                    continue
+                if seen is not None:
+                    if row.id in seen:
+                        error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
+                    seen.add(row.id)
+                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column)
+                error = error or enc.error
+                max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
+                error = error or mt_error
+                params = dataclasses.replace(
+                    base, max_tokens=max_tokens, seed=None if base.seed is None else base.seed + row.index)
+                yield Pending(row, arrival, enc.token_ids, enc.text, params, error)
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        eng, clock = self.eng, self.clock
+        self.t0 = clock.now()  # times in the outputs are from here
+        requests = self._requests()
+        exhausted = False
+        seq = 0
+        idle_steps = 0
+        while True:
+            while not exhausted and len(self.heap) + len(self.in_engine) < self.max_pending:
+                p = next(requests, None)
+                if p is None:
+                    exhausted = True
+                elif p.error is not None:
+                    self._write_error(p)
+                else:
+                    heapq.heappush(self.heap, (self.t0 + p.arrival, seq, p))
+                    seq += 1
+            now = clock.now()
+            while self.heap and self.heap[0][0] <= now:
+                t, _, p = heapq.heappop(self.heap)
+                eng.add_request(p.token_ids, p.params, request_id=p.row.id, arrival_time=t)
+                self.in_engine[p.row.id] = p
+                self.arrived += 1
+            if eng.has_unfinished_requests():
+                outputs = eng.step()
+                progressed = self._record_step()
+                for o in outputs:
+                    if o.finished:
+                        self._write_output(o)
+                idle_steps = 0 if (outputs or progressed) else idle_steps + 1
+                if idle_steps > NO_PROGRESS_LIMIT:
+                    raise RuntimeError(f"the engine made no progress in {NO_PROGRESS_LIMIT} steps with "
+                                       f"{len(self.in_engine)} unfinished requests")
+            elif self.heap:
+                clock.advance_to(self.heap[0][0])
+            elif exhausted:
+                return
+
+    # -- writing ------------------------------------------------------------------------------------
+    def _record_step(self) -> bool:
+        s = self.eng.last_step
+        if s is None or s.step == self.last_step:
+            return False
+        self.last_step = s.step
+        self.job.steps.write({
+            "attempt": self.attempt, "step": s.step, "start_s": s.start_time - self.t0, "duration_s": s.duration,
+            "decode_tokens": s.decode_tokens, "prefill_tokens": s.prefill_tokens,
+            "prefill_requests": s.prefill_requests, "running": s.running, "waiting": s.waiting,
+            "kv_blocks_used": s.kv_blocks_used, "cached_prompt_tokens": s.cached_prompt_tokens,
+            "num_forwards": s.num_forwards, "arrived": self.arrived,
+            "scheduled_ids": list(s.scheduled), "scheduled_tokens": list(s.scheduled.values()),
+            "preempted": list(s.preempted), "failed": list(s.failed),
+        })
+        self.arrived = 0
+        return s.decode_tokens + s.prefill_tokens > 0
+
+    def _write_error(self, p: Pending) -> None:
+        arrival = None if math.isnan(p.arrival) else p.arrival
+        self._write_row(p, {
+            "prompt_tokens": None if p.token_ids is None else len(p.token_ids), "output_text": "",
+            "output_token_ids": [], "output_tokens": 0, "finish_reason": "error", "error": p.error,
+            "arrival_s": arrival, "finish_s": arrival, "token_times_s": [], "num_prefill_chunks": 0,
+            "num_preemptions": 0, "num_cached_tokens": 0,
+        })
+
+    def _write_output(self, o: Any) -> None:
+        p = self.in_engine.pop(o.request_id, None)
+        if p is None:  # a request someone else put into a shared engine: not this job's row
+            log.warning("ignoring output of request %r, which this job did not add", o.request_id)
+            return
+        m, t0 = o.metrics, self.t0
+        times = [t - t0 for t in m.token_times]
+        n = len(o.output_token_ids)
+        first_token = _rel(m.first_token_time, t0)
+        arrival = m.arrival_time - t0
+        finish = _rel(m.finish_time, t0)
+        self.output_tokens += n
+        self._write_row(p, {
+            "prompt_tokens": len(o.prompt_token_ids), "output_text": o.text,
+            "output_token_ids": list(o.output_token_ids), "output_tokens": n,
+            "finish_reason": o.finish_reason, "error": o.error, "arrival_s": arrival,
+            "first_scheduled_s": _rel(m.first_scheduled_time, t0), "first_token_s": first_token,
+            "finish_s": finish, "token_times_s": times,
+            "ttft_s": None if first_token is None else first_token - arrival,
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            "e2e_s": None if finish is None else finish - arrival,
+            "num_prefill_chunks": m.num_prefill_chunks, "num_preemptions": m.num_preemptions,
+            "num_cached_tokens": m.num_cached_tokens,
+        })
+
+    def _write_row(self, p: Pending, values: dict[str, Any]) -> None:
+        row = {"id": p.row.id, "index": p.row.index, "attempt": self.attempt, **values}
+        if self.cfg.output.include_prompt:
+            row["prompt"] = p.text
+        self.job.gen.write(row)
+        self.bar.update(1)
+        now = time.monotonic()
+        if now - self._postfix_at > 0.5 and not self.bar.disable:
+            self._postfix_at = now
+            elapsed = self.clock.now() - self.t0
+            if elapsed > 0:
+                self.bar.set_postfix_str(f"{self.output_tokens / elapsed:.1f} tok/s", refresh=False)
+
+
+def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
+            extra: dict[str, Any] | None = None) -> RunResult:
+    """Run the job described by a composed config into `out_dir` (see `Job`)."""
+    return Job(cfg, out_dir, engine=engine, extra=extra).run()

@@ -1,0 +1,138 @@
+"""A small stand-in for LLMEngine with the same API, for fast runner tests that need no model.
+
+Byte-level tokenizer, chunked prefill, one decode token per step, a fixed cost per step on the clock.
+Deterministic: the n-th output token of a request depends only on its prompt.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from engine.clock import Clock, VirtualClock
+from engine.request import RequestMetrics, RequestOutput, StepStats
+from engine.sampling_params import SamplingParams
+
+
+class ByteTokenizer:
+    eos_token_ids: ClassVar[list[int]] = [0]
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, arrival: float) -> None:
+        self.id, self.prompt, self.params = rid, prompt, params
+        self.out: list[int] = []
+        self.computed = 0
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.error: str | None = None
+        self.finish_reason: str | None = None
+
+
+class FakeEngine:
+    def __init__(self, max_num_seqs: int = 4, chunk: int = 32, max_model_len: int = 256,
+                 clock: Clock | None = None, step_cost: float = 1e-3) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.clock = clock or VirtualClock()
+        self.max_num_seqs, self.chunk, self.step_cost = max_num_seqs, chunk, step_cost
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.failed: list[_Req] = []
+        self.last_step: StepStats | None = None
+        self.steps = 0
+        self.max_waiting = 0  # most requests ever queued (the runner's read-ahead bound shows here)
+
+    def num_total_blocks(self) -> int:
+        return 1000
+
+    def num_free_blocks(self) -> int:
+        return 1000 - self._blocks()
+
+    def _blocks(self) -> int:
+        return sum((r.computed + 15) // 16 for r in self.running)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        rid = request_id or f"r{self.steps}-{len(self.waiting)}"
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        r = _Req(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time)
+        if not ids:
+            r.error = "prompt is empty"
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            r.error = f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} > max_model_len {self.max_model_len}"
+        elif any(not 0 <= t < 256 for t in ids):
+            r.error = "token id out of vocabulary"
+        elif params.max_tokens < 1:
+            r.error = "max_tokens < 1"
+        (self.failed if r.error else self.waiting).append(r)
+        self.max_waiting = max(self.max_waiting, len(self.waiting))
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.waiting = [r for r in self.waiting if r.id != request_id]
+        self.running = [r for r in self.running if r.id != request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.failed)
+
+    def _output(self, r: _Req, new: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(r.id, r.prompt, list(r.out), self.tokenizer.decode(r.out), new,
+                             self.tokenizer.decode(new), finished, r.finish_reason, r.error, r.metrics)
+
+    def step(self) -> list[RequestOutput]:
+        now = self.clock.now()
+        outs = []
+        for r in self.failed:
+            r.finish_reason, r.metrics.finish_time = "error", now
+            outs.append(self._output(r, [], True))
+        self.failed = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return outs
+        scheduled, decode, prefill, prefill_reqs = {}, 0, 0, 0
+        for r in self.running:
+            if r.computed < len(r.prompt):
+                n = min(self.chunk, len(r.prompt) - r.computed)
+                prefill += n
+                prefill_reqs += 1
+                r.metrics.num_prefill_chunks += 1
+                if r.metrics.first_scheduled_time is None:
+                    r.metrics.first_scheduled_time = now
+            else:
+                n = 1
+                decode += 1
+            scheduled[r.id] = n
+            r.computed += n
+        duration = self.step_cost * (1 + 0.01 * (decode + prefill))
+        self.clock.step_finished(duration)
+        end = self.clock.now()
+        self.last_step = StepStats(self.steps, now, duration, decode, prefill, prefill_reqs, len(self.running),
+                                   len(self.waiting), self._blocks(), scheduled)
+        self.steps += 1
+        still = []
+        for r in self.running:
+            if r.computed >= len(r.prompt):
+                tok = 32 + (sum(r.prompt) + 7 * len(r.out)) % 90
+                r.out.append(tok)
+                r.metrics.token_times.append(end)
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = end
+                done = len(r.out) >= r.params.max_tokens
+                if done:
+                    r.finish_reason, r.metrics.finish_time = "length", end
+                outs.append(self._output(r, [tok], done))
+                if done:
+                    continue
+            still.append(r)
+        self.running = still
+        return outs

@@ -1,0 +1,86 @@
+"""`python -m runner` as a user runs it: default config, multirun + sweep report, resume, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tests.runner.conftest import check_run
+
+FAST = ["sampling.max_tokens=3", "output.progress=false", "max_num_seqs=4", "cache.max_model_len=512"]
+
+
+def ladle(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_default_config(tmp_path):
+    """The default config (tiny model, sample prompts), run from a directory that is not the repo."""
+    out = tmp_path / "run"
+    p = ladle(f"hydra.run.dir={out}", "workload.limit=4", *FAST, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ladle summary" in p.stdout and "TTFT" in p.stdout and f"outputs in {out}" in p.stdout
+    run = check_run(out)
+    assert len(run["rows"]) == 4 and all(r["id"].startswith("sample-") for r in run["rows"])
+    assert all(r["prompt"] for r in run["rows"])
+    for name in ("schedule.png", "latency.png", "summary.json", ".hydra/config.yaml"):
+        assert (out / name).exists(), name
+    meta = pq.read_schema(out / "generations.parquet").metadata[b"ladle.config"].decode()
+    assert "workload:" in meta and "prompts.parquet" in meta  # resolved config, interpolations resolved
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "tiny" and summary["overrides"][0] == "workload.limit=4"
+
+
+def test_multirun_sweep_report(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = ladle("--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "workload.limit=3",
+              "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    t = pq.read_table(sweep / "sweep.parquet").to_pylist()
+    assert [r["varied"] for r in t] == ["chunking.size=16", "chunking.size=64"]
+    assert all("workload.limit=3" in r["overrides"] for r in t)
+    for r in t:
+        assert r["requests"] == 3 and r["errors"] == 0
+        assert r["ttft_p50_ms"] > 0 and r["itl_p99_ms"] > 0 and r["output_tok_per_s"] > 0
+    md = (sweep / "sweep.md").read_text()
+    assert "chunking.size=16" in md and "TTFT p50 ms" in md and "ITL p99 ms" in md
+    assert (sweep / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    for i in (0, 1):
+        check_run(sweep / str(i))
+
+
+def test_ctrl_c_leaves_readable_outputs(tmp_path):
+    """SIGINT mid-run: exit 130, generations.parquet finalised with the rows written so far, no .tmp."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, "-m", "runner", f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
+           "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = out / "generations.parquet.tmp"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if tmp.exists() and tmp.stat().st_size > 3000:  # a few row groups are on disk
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted" in stdout + stderr  # Hydra logs to stdout
+    rows = pq.read_table(out / "generations.parquet").to_pylist()
+    assert 0 < len(rows) < 40 and not list(out.glob("*.tmp"))
+    assert json.loads((out / "summary.json").read_text())["complete"] is False
+
+
+def test_config_error_exits_2_naming_the_key(tmp_path):
+    p = ladle("workload=parquet", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert p.returncode == 2 and "workload.path" in p.stderr
