@@ -159,6 +159,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             self.last_step = None
+            if self.scheduler.waiting and not self.scheduler.running:
+                # The rules guarantee progress (validation keeps every request within the cache);
+                # should that ever fail, the stuck request fails instead of the job spinning.
+                req = self.scheduler.waiting[0]
+                req.error = (
+                    f"request could not be scheduled ({req.num_tokens} tokens, "
+                    f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)"
+                )
+                self._finish(req, "error", self.clock.now())
+                outputs.append(self._output(req, [], ""))
             return outputs
         failed: list[str] = []
         phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
