@@ -26,7 +26,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 @dataclass(slots=True)
 class _DecodePlan:
     rows: torch.Tensor  # [Bd] flattened row of each decode query
-    slots: torch.Tensor  # [Bd, L] cache slot of each key position (clamped where masked)
+    rows_idx: torch.Tensor  # [Bd * Hkv * L] rows of the cache viewed as [slots * Hkv, D], head-major
+    width: int  # L: keys gathered per sequence (the longest visible span, others masked)
     mask: torch.Tensor  # [Bd, 1, 1, L] True where the key is visible
 
 
@@ -34,7 +35,8 @@ class _DecodePlan:
 class _ChunkPlan:
     start: int  # first flattened row
     end: int
-    slots: torch.Tensor  # [L] cache slots of key positions lo..seq_len-1
+    rows_idx: torch.Tensor  # [Hkv * L] cache rows of key positions lo..seq_len-1, head-major
+    width: int
     mask: torch.Tensor | None  # [Q, L] True where visible; None when plain causal with no context
 
 
@@ -50,7 +52,15 @@ def _seq_slots(meta: AttentionMetadata, b: int, lo: int, hi: int) -> torch.Tenso
     return blocks * meta.block_size + pos % meta.block_size
 
 
-def _build_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
+def _head_major_rows(slots: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """Cache rows for slots [..., L] in the order [..., Hkv, L]: gathering them from the cache viewed
+    as [num_slots * Hkv, D] yields keys already laid out as SDPA wants them, in a single copy."""
+    heads = torch.arange(num_kv, device=slots.device)
+    rows = slots.unsqueeze(-2) * num_kv + heads[:, None]  # [..., Hkv, L]
+    return rows.reshape(-1)
+
+
+def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Plan:
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     device = meta.block_tables.device
     decode_seqs = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
@@ -58,16 +68,22 @@ def _build_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
     if decode_seqs:
         idx = torch.tensor(decode_seqs, device=device)
         lens = meta.seq_lens.to(torch.int64)[idx]  # [Bd]
-        width = max(seq_lens[b] for b in decode_seqs)
-        pos = torch.arange(width, device=device)
-        visible = pos[None, :] < lens[:, None]
+        longest = max(seq_lens[b] for b in decode_seqs)
+        # Column j of sequence b holds key position first[b] + j: with a window, only the last
+        # `window` keys are gathered, so a long context costs nothing beyond the window.
+        width = longest if window is None else min(longest, window)
+        first = (lens - width).clamp(min=0)
+        pos = first[:, None] + torch.arange(width, device=device)[None, :]
+        visible = pos < lens[:, None]
         if window is not None:
-            visible &= pos[None, :] >= (lens[:, None] - window)
-        safe = torch.where(visible, pos[None, :], torch.zeros_like(pos)[None, :])
+            visible &= pos >= (lens[:, None] - window)
+        safe = torch.where(visible, pos, torch.zeros_like(pos))
         blocks = torch.gather(meta.block_tables.to(torch.int64)[idx], 1, safe // meta.block_size)
         slots = blocks * meta.block_size + safe % meta.block_size
         rows = torch.tensor([qsl[b] for b in decode_seqs], device=device)
-        decodes = _DecodePlan(rows=rows, slots=slots, mask=visible[:, None, None, :])
+        decodes = _DecodePlan(
+            rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=visible[:, None, None, :]
+        )
     chunks = []
     for b in range(len(seq_lens)):
         q_len = qsl[b + 1] - qsl[b]
@@ -85,7 +101,12 @@ def _build_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-        chunks.append(_ChunkPlan(start=qsl[b], end=qsl[b + 1], slots=slots, mask=mask))
+        chunks.append(
+            _ChunkPlan(
+                start=qsl[b], end=qsl[b + 1], rows_idx=_head_major_rows(slots, num_kv),
+                width=seq_len - lo, mask=mask,
+            )
+        )
     return _Plan(decodes=decodes, chunks=chunks)
 
 
@@ -123,29 +144,29 @@ def reference_attention(
     """q [T, H, D], k/v [T, Hkv, D]; writes k/v into the cache, returns [T, H, D]."""
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     key = ("reference_plan", sliding_window)
-    plan = meta.cache.get(key)
-    if plan is None:
-        plan = meta.cache[key] = _build_plan(meta, sliding_window)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[-2]
     group = num_heads // num_kv
-    k_flat = kv_cache[0].view(-1, num_kv, head_dim)
-    v_flat = kv_cache[1].view(-1, num_kv, head_dim)
+    plan = meta.cache.get(key)
+    if plan is None:
+        plan = meta.cache[key] = _build_plan(meta, sliding_window, num_kv)
+    k_rows = kv_cache[0].view(-1, head_dim)  # row = slot * Hkv + kv head
+    v_rows = kv_cache[1].view(-1, head_dim)
     out = torch.empty_like(q)
     if plan.decodes is not None:
         d = plan.decodes
-        n, width = d.slots.shape
+        n = d.rows.shape[0]
         # GQA without copying KV: the `group` query heads sharing a KV head become its query rows.
         qd = q[d.rows].view(n, num_kv, group, head_dim)
-        kd = k_flat[d.slots.reshape(-1)].view(n, width, num_kv, head_dim).transpose(1, 2).to(q.dtype)
-        vd = v_flat[d.slots.reshape(-1)].view(n, width, num_kv, head_dim).transpose(1, 2).to(q.dtype)
+        kd = k_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
+        vd = v_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
         od = _sdpa(qd, kd, vd, d.mask, scale, softcap)
         out[d.rows] = od.reshape(n, num_heads, head_dim)
     for c in plan.chunks:
         q_len = c.end - c.start
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        kc = k_flat[c.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        vc = v_flat[c.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        kc = k_rows.index_select(0, c.rows_idx).view(1, num_kv, c.width, head_dim).to(q.dtype)
+        vc = v_rows.index_select(0, c.rows_idx).view(1, num_kv, c.width, head_dim).to(q.dtype)
         if c.mask is None:
             oc = _sdpa(qc, kc, vc, None, scale, softcap, is_causal=True)
         else:
