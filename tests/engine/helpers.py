@@ -70,3 +70,17 @@ def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
     assert eng.num_free_blocks() == eng.num_total_blocks(), "KV blocks leaked"
     eng.kv.pool.check_invariants()
     return done
+
+
+def fail_on_forward(eng: LLMEngine, n: int | None, message: str = "injected failure") -> None:
+    """Make the n-th call of the model runner raise (1-based); None injects nothing."""
+    original = eng.runner.execute
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError(message)
+        return original(scheduled)
+
+    eng.runner.execute = flaky

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams
 from engine.block_pool import BlockPool
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, fail_on_forward, make_engine, random_prompt, run_to_completion
 
 PREAMBLE = random_prompt(100, seed=1000)
 
@@ -98,16 +98,7 @@ def test_shared_prefixes_with_preemption_and_failures_never_leak(tiny_hf_model_d
     prefixes = [random_prompt(n, seed=500 + n) for n in (8, 20, 33)]
     eng = make_engine(tiny_hf_model_dir("qwen3"), block_size=4, num_blocks=num_blocks, max_model_len=96,
                       max_num_seqs=4, size=chunk)
-    original = eng.runner.execute
-    state = {"n": 0}
-
-    def maybe_fail(scheduled):
-        state["n"] += 1
-        if state["n"] == fail_step:
-            raise RuntimeError("injected")
-        return original(scheduled)
-
-    eng.runner.execute = maybe_fail
+    fail_on_forward(eng, fail_step)
     for i, (p, tail, max_tokens) in enumerate(picks):
         eng.add_request(prefixes[p] + random_prompt(tail, seed=i), SamplingParams(max_tokens=max_tokens, temperature=0))
     done = {}

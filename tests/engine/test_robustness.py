@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, fail_on_forward, make_engine, random_prompt, run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +34,7 @@ def test_failure_mid_prefill_fails_only_that_steps_requests(path):
     eng = make_engine(path, size=8)
     a = eng.add_request(random_prompt(5, seed=1), GREEDY)
     eng.step()  # a is decoding
-    original = eng.runner.execute
-    calls = {"n": 0}
-
-    def flaky(scheduled):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second step after b's admission: b is mid-prefill
-            raise RuntimeError("injected failure")
-        return original(scheduled)
-
-    eng.runner.execute = flaky
+    fail_on_forward(eng, 2)  # the second step after b's admission: b is mid-prefill
     b = eng.add_request(random_prompt(40, seed=2), GREEDY)
     eng.step()
     assert 0 < eng.requests[b].num_computed_tokens < 40
@@ -76,16 +67,7 @@ def test_random_workloads_never_leak_blocks(path, lengths, max_tokens, chunk, nu
             max_num_seqs=4,
         )
     )
-    original = eng.runner.execute
-    state = {"step": 0}
-
-    def maybe_fail(scheduled):
-        state["step"] += 1
-        if state["step"] == fail_step:
-            raise RuntimeError("injected")
-        return original(scheduled)
-
-    eng.runner.execute = maybe_fail
+    fail_on_forward(eng, fail_step)
     pending = list(enumerate(lengths))
     done = {}
     step = 0
