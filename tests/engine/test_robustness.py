@@ -147,3 +147,16 @@ def test_invalid_config_names_the_key(path, overrides, needle):
 def test_max_model_len_beyond_model_positions(path):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         make_engine(path, max_model_len=100_000)
+
+
+def test_abort_frees_blocks_and_the_request_is_dropped(path):
+    eng = make_engine(path, size=8)
+    a = eng.add_request(random_prompt(30, seed=1), GREEDY)
+    b = eng.add_request(random_prompt(10, seed=2), GREEDY)
+    eng.step()  # a mid-prefill, b admitted
+    assert eng.num_free_blocks() < eng.num_total_blocks()
+    eng.abort_request(a)
+    done = run_to_completion(eng)
+    assert a not in done and done[b].finish_reason == "length"
+    eng.abort_request(a)  # already gone: a no-op
+    assert eng.num_free_blocks() == eng.num_total_blocks()
