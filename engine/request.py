@@ -28,7 +28,7 @@ class RequestMetrics:
     finish_time: float | None = None
     num_prefill_chunks: int = 0  # prefill steps, counting recomputation after preemption
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
 
 @dataclass(slots=True)
