@@ -40,10 +40,6 @@ class LLMEngine:
         self.config = config
         self.clock = clock or WallClock()
         mc = config.model
-        if mc.attention_backend != "auto":
-            import kernels
-
-            kernels.set_backend(mc.attention_backend)
         self.device, self.dtype = resolve_device_dtype(mc.device, mc.dtype)
         self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed)
         arch = self.model.arch
@@ -66,7 +62,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
         )
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, self.kv, self.device, config.chunking.ubatch)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.device, config.chunking.ubatch, attention_backend=mc.attention_backend
+        )
         self.sampler = Sampler(config.seed, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -98,8 +96,11 @@ class LLMEngine:
             ids, error = [], f"could not tokenize the prompt: {exc}"
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
         req = Request(rid, ids, params, RequestMetrics(arrival_time=arrival), index=next(self._order))
+        try:
+            error = error or self._validate(req)
+        except Exception as exc:  # noqa: BLE001 - e.g. a params object of the wrong kind
+            error = f"invalid request: {type(exc).__name__}: {exc}"
         self.requests[rid] = req
-        error = error or self._validate(req)
         if error:
             req.status = RequestStatus.FINISHED
             req.finish_reason, req.error = "error", error
@@ -202,14 +203,22 @@ class LLMEngine:
         token_iter = iter(tokens)
         for s in sched.scheduled:
             req = s.request
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = start
-            req.num_computed_tokens += s.num_tokens
-            if s.is_prefill:
-                req.metrics.num_prefill_chunks += 1
-            self.kv.register_computed(req)
-            if s.samples:
-                outputs.append(self._append_token(req, next(token_iter), now))
+            token = next(token_iter) if s.samples else None
+            try:
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = start
+                req.num_computed_tokens += s.num_tokens
+                if s.is_prefill:
+                    req.metrics.num_prefill_chunks += 1
+                self.kv.register_computed(req)
+                if token is not None:
+                    outputs.append(self._append_token(req, token, now))
+            except Exception as exc:  # noqa: BLE001 - one request's bad update fails only that request
+                req.error = f"update failed: {type(exc).__name__}: {exc}"
+                if not req.finished:
+                    self._finish(req, "error", now)
+                failed.append(req.request_id)
+                outputs.append(self._output(req, [], ""))
         phases["update"] = time.perf_counter() - t3
         self.clock.step_finished(phases["update"])
         self._record(sched, start, self.clock.now(), failed)
@@ -261,13 +270,18 @@ class LLMEngine:
         if p.stop:
             cut = find_stop(req.text, len(new_text), p.stop)
             if cut is not None:
-                kept = len(req.text) - len(new_text)
-                new_text = req.text[kept:cut] if cut > kept else ""
                 req.text = req.text[:cut]
                 reason = "stop"
         if reason is not None:
             self._finish(req, reason, now)
-        return self._output(req, [token], new_text)
+        # While a stop string could still complete, its possible start is held back, so the
+        # reported deltas always add up to the final text.
+        visible = len(req.text)
+        if p.stop and reason is None:
+            visible -= max(len(x) for x in p.stop) - 1
+        emitted = req.num_emitted_chars
+        req.num_emitted_chars = max(emitted, visible)
+        return self._output(req, [token], req.text[emitted : req.num_emitted_chars])
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason = reason
@@ -285,7 +299,7 @@ class LLMEngine:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids),
-            text=req.text,
+            text=req.text[: req.num_emitted_chars],
             new_token_ids=new_ids,
             new_text=new_text,
             finished=req.finished,

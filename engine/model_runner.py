@@ -43,8 +43,16 @@ def split_into_forwards(scheduled: list[ScheduledRequest], ubatch: int | None) -
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device, ubatch: int | None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager,
+        device: torch.device,
+        ubatch: int | None,
+        attention_backend: str = "auto",
+    ):
         self.model = model
+        self.attention_backend = attention_backend
         self.kv = kv
         self.device = device
         self.ubatch = ubatch
@@ -86,7 +94,13 @@ class ModelRunner:
             if p.samples:
                 logits_indices.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.kv.block_size, device=self.device, logits_indices=logits_indices
+            query_lens,
+            seq_lens,
+            tables,
+            self.kv.block_size,
+            device=self.device,
+            logits_indices=logits_indices,
+            backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

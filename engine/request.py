@@ -60,7 +60,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     finish_reason: str | None = None
     error: str | None = None
-    text: str = ""
+    text: str = ""  # detokenised output (stop string cut off)
+    num_emitted_chars: int = 0  # prefix of `text` already reported (the rest may start a stop string)
     # Per-request RNG state (torch.Generator) when params.seed is set; set by the sampler.
     generator: object | None = None
     # Tokens known at admission; after preemption, generated tokens are recomputed too.

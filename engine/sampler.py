@@ -47,13 +47,14 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
 
         sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
         rank = torch.arange(vocab, device=dev)[None, :]
-        drop = rank >= top_k[:, None]
+        # Filters apply in vLLM's and HF's order: top-k, then top-p and min-p on the distribution
+        # renormalised over what top-k kept.
+        probs = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(dim=-1)
         # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         drop |= probs < min_p[:, None] * probs[:, :1]
         probs = probs.masked_fill(drop, 0.0)
-        noise = self._noise(reqs, vocab)
+        noise = self._noise(reqs, vocab).clamp_(min=torch.finfo(torch.float32).tiny)  # never 0/0
         choice = (probs / noise).argmax(dim=-1)
         return order.gather(1, choice[:, None]).squeeze(1)

@@ -17,17 +17,33 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
+            self.stop = [self.stop]
+
     def problems(self) -> list[str]:
         """Every invalid field with its value and the allowed range (empty when valid)."""
+
+        def number(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
         out = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if self.temperature < 0:
-            out.append(f"temperature={self.temperature} must be >= 0")
-        if self.top_k < 0:
-            out.append(f"top_k={self.top_k} must be >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            out.append(f"min_p={self.min_p} must be in [0, 1]")
+        if not number(self.temperature) or self.temperature < 0:
+            out.append(f"temperature={self.temperature!r} must be a number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            out.append(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
+            out.append(f"min_p={self.min_p!r} must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            out.append(f"seed={self.seed!r} must be an integer or None")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            out.append(f"stop={self.stop!r} must be a list of strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(x, int) for x in self.stop_token_ids
+        ):
+            out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
         return out

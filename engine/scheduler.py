@@ -137,7 +137,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if not req.output_token_ids:
+            if req.metrics.first_scheduled_time is None:  # first admission, not a recompute
                 out.cached_prompt_tokens += req.num_computed_tokens
                 req.metrics.num_cached_tokens = req.num_computed_tokens
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill=True))

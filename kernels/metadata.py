@@ -30,6 +30,9 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None
     # Per-forward scratch shared by all layers (e.g. the reference's gather plan per window size).
     cache: dict[Any, Any] = field(default_factory=dict)
+    # Attention implementation for this forward: auto | triton | torch (set per engine, so two
+    # engines in one process never see each other's choice).
+    backend: str = "auto"
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +50,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         logits_indices: list[int] | None = None,
+        backend: str = "auto",
     ) -> AttentionMetadata:
         """Build metadata from plain lists: query length, KV length after the forward, block ids."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
@@ -86,4 +90,5 @@ class AttentionMetadata:
                 if logits_indices is not None
                 else None
             ),
+            backend=backend,
         )

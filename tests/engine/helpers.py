@@ -19,11 +19,12 @@ def make_engine(
     prefix_caching: bool | None = None,
     max_num_seqs: int = 8,
     clock=None,
+    attention_backend: str = "auto",
     **chunking,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(path), dtype="float32", device="cpu"),
+            model=ModelConfig(path=str(path), dtype="float32", device="cpu", attention_backend=attention_backend),
             cache=CacheConfig(
                 backend=backend,
                 block_size=block_size,

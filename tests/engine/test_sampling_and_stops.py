@@ -128,3 +128,71 @@ def test_text_prompts_are_tokenized(tiny_hf_model_dir, family):
     out = eng.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.prompt_token_ids == eng.tokenizer.encode("hello there")
     assert out.finish_reason in ("length", "stop")
+
+
+def test_top_p_applies_to_what_top_k_kept():
+    # After top-k 2 the distribution is [.6, .4]: top-p 0.5 keeps only the first token (vLLM, HF).
+    logits = torch.log(torch.tensor([[0.3, 0.2, 0.15, 0.15, 0.1, 0.1]]))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    req = _req(temperature=1.0, top_k=2, top_p=0.5)
+    assert {sampler.sample(logits, [req])[0] for _ in range(300)} == {0}
+
+
+def force_tokens(eng, data: bytes):
+    """Make the engine 'sample' the given byte tokens in order (the byte tokenizer decodes them)."""
+    forced = iter(data)
+    eng.sampler.sample = lambda logits, reqs: [next(forced) for _ in reqs]
+
+
+@pytest.mark.parametrize("stop", [["END"], "END", ["xyz", "ND"]])
+def test_streamed_deltas_never_show_a_stop_string(tiny_hf_model_dir, stop):
+    eng = make_engine(tiny_hf_model_dir("qwen3"))
+    force_tokens(eng, b"abENDxyz")
+    eng.add_request([65, 66, 67], SamplingParams(max_tokens=8, temperature=0.0, stop=stop))
+    pieces, texts = [], []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            pieces.append(out.new_text)
+            texts.append(out.text)
+    expected = "abE" if stop == ["xyz", "ND"] else "ab"
+    assert texts[-1] == expected and "".join(pieces) == expected
+    assert all(expected.startswith(t) for t in texts)  # no partial stop string ever shown
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        (SamplingParams(temperature=None), "temperature=None"),
+        (SamplingParams(top_k=None), "top_k=None"),
+        (SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
+        (SamplingParams(stop_token_ids=5), "stop_token_ids=5"),
+        (SamplingParams(stop=[1, 2]), "stop=[1, 2]"),
+        (SamplingParams(max_tokens=True), "max_tokens=True"),
+    ],
+)
+def test_bad_param_types_fail_the_request_not_the_engine(tiny_hf_model_dir, params, needle):
+    eng = make_engine(tiny_hf_model_dir("qwen3"))
+    bad = eng.add_request([5, 6, 7], params)
+    good = eng.add_request([5, 6, 7], GREEDY)
+    done = run_to_completion(eng)
+    assert done[bad].finish_reason == "error" and needle in done[bad].error
+    assert done[good].finish_reason == "length"
+    eng.add_request([5], GREEDY, request_id=bad)  # the failed id is free again
+
+
+def test_an_exception_while_updating_one_request_fails_only_it(tiny_hf_model_dir):
+    eng = make_engine(tiny_hf_model_dir("qwen3"))
+    a = eng.add_request([5, 6, 7], GREEDY)
+    b = eng.add_request([8, 9], GREEDY)
+    original = eng.detokenizer.step
+
+    def broken(state, ids):
+        if eng.requests.get(a) is not None and ids == eng.requests[a].all_token_ids:
+            raise UnicodeError("broken tokenizer")
+        return original(state, ids)
+
+    eng.detokenizer.step = broken
+    done = run_to_completion(eng)
+    assert done[a].finish_reason == "error" and "broken tokenizer" in done[a].error
+    assert done[b].finish_reason == "length" and len(done[b].output_token_ids) == 32
