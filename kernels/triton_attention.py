@@ -273,6 +273,11 @@ def triton_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 
+    if q.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
+        # Triton launches on the current device: make it the tensors' (model.device=cuda:N).
+        with torch.cuda.device(q.device):
+            return triton_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+
     triton_write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     if num_tokens == 0:
