@@ -42,7 +42,7 @@ class _ChunkPlan:
 
 @dataclass(slots=True)
 class _Plan:
-    decodes: _DecodePlan | None
+    decodes: list[_DecodePlan]
     chunks: list[_ChunkPlan]
 
 
@@ -60,30 +60,38 @@ def _head_major_rows(slots: torch.Tensor, num_kv: int) -> torch.Tensor:
     return rows.reshape(-1)
 
 
+def _decode_plan(meta: AttentionMetadata, seqs: list[int], window: int | None, num_kv: int) -> _DecodePlan:
+    """One batched SDPA over `seqs` (all decodes), keys padded to the longest visible span."""
+    device = meta.block_tables.device
+    idx = torch.tensor(seqs, device=device)
+    lens = meta.seq_lens.to(torch.int64)[idx]  # [Bd]
+    longest = max(meta.seq_lens_cpu[b] for b in seqs)
+    # Column j of sequence b holds key position first[b] + j: with a window, only the last
+    # `window` keys are gathered, so a long context costs nothing beyond the window.
+    width = longest if window is None else min(longest, window)
+    first = (lens - width).clamp(min=0)
+    pos = first[:, None] + torch.arange(width, device=device)[None, :]
+    visible = pos < lens[:, None]
+    if window is not None:
+        visible &= pos >= (lens[:, None] - window)
+    safe = torch.where(visible, pos, torch.zeros_like(pos))
+    blocks = torch.gather(meta.block_tables.to(torch.int64)[idx], 1, safe // meta.block_size)
+    slots = blocks * meta.block_size + safe % meta.block_size
+    rows = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
+    return _DecodePlan(rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=visible[:, None, None, :])
+
+
 def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Plan:
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    # Decodes are batched by visible span in power-of-two buckets, so one long context does not
+    # make every short one gather (and attend over) its length: padding stays under 2x.
+    buckets: dict[int, list[int]] = {}
+    for b in range(len(seq_lens)):
+        if qsl[b + 1] - qsl[b] == 1:
+            span = seq_lens[b] if window is None else min(seq_lens[b], window)
+            buckets.setdefault((span - 1).bit_length(), []).append(b)
+    decodes = [_decode_plan(meta, seqs, window, num_kv) for _, seqs in sorted(buckets.items())]
     device = meta.block_tables.device
-    decode_seqs = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
-    decodes = None
-    if decode_seqs:
-        idx = torch.tensor(decode_seqs, device=device)
-        lens = meta.seq_lens.to(torch.int64)[idx]  # [Bd]
-        longest = max(seq_lens[b] for b in decode_seqs)
-        # Column j of sequence b holds key position first[b] + j: with a window, only the last
-        # `window` keys are gathered, so a long context costs nothing beyond the window.
-        width = longest if window is None else min(longest, window)
-        first = (lens - width).clamp(min=0)
-        pos = first[:, None] + torch.arange(width, device=device)[None, :]
-        visible = pos < lens[:, None]
-        if window is not None:
-            visible &= pos >= (lens[:, None] - window)
-        safe = torch.where(visible, pos, torch.zeros_like(pos))
-        blocks = torch.gather(meta.block_tables.to(torch.int64)[idx], 1, safe // meta.block_size)
-        slots = blocks * meta.block_size + safe % meta.block_size
-        rows = torch.tensor([qsl[b] for b in decode_seqs], device=device)
-        decodes = _DecodePlan(
-            rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=visible[:, None, None, :]
-        )
     chunks = []
     for b in range(len(seq_lens)):
         q_len = qsl[b + 1] - qsl[b]
@@ -153,8 +161,7 @@ def reference_attention(
     k_rows = kv_cache[0].view(-1, head_dim)  # row = slot * Hkv + kv head
     v_rows = kv_cache[1].view(-1, head_dim)
     out = torch.empty_like(q)
-    if plan.decodes is not None:
-        d = plan.decodes
+    for d in plan.decodes:
         n = d.rows.shape[0]
         # GQA without copying KV: the `group` query heads sharing a KV head become its query rows.
         qd = q[d.rows].view(n, num_kv, group, head_dim)
