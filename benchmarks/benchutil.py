@@ -28,6 +28,7 @@ DOCS = REPO / "docs" / "benchmarks.md"
 # Order of the sections in docs/benchmarks.md.
 SECTIONS = [
     ("machine", "Machine"),
+    ("summary", "Targets at a glance"),
     ("itl_stability", "1. ITL stability: chunked vs unchunked prefill under Poisson long-prompt arrivals"),
     ("throughput_vs_transformers", "2. Offline throughput: ladle vs transformers continuous batching"),
     ("step_breakdown", "3. Step breakdown: where a step's time goes"),
@@ -110,8 +111,8 @@ def machine_markdown() -> str:
             f"- Software: Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}",
             f"- GPU: {'yes' if m['cuda'] else 'none'}",
             f"- Date: {m['date']}",
-            ("- Shared machine: other jobs ran beside these benchmarks (load average often 4-8 on 2 cores), "
-            "so absolute times are pessimistic and noisy; read the ratios."),
+            ("- Shared machine: other jobs ran beside these benchmarks (load average between ~1 and 8 on the 2 "
+             "cores while they ran), so absolute times move between runs; read the ratios."),
         ]
     )
 
@@ -212,6 +213,8 @@ def _empty_docs() -> str:
     parts = [_PREAMBLE]
     for name, title in SECTIONS:
         body = "Not run yet."
+        if name == "summary":
+            body = "Written by hand from the sections below after a full run (no script rewrites it)."
         if name == "gpu":
             body = "Not measured (no GPU lent to this task): every number above is CPU only."
         parts.append(f"<!-- section:{name} -->\n## {title}\n\n{body}\n<!-- /section:{name} -->\n")

@@ -336,7 +336,9 @@ def main() -> None:
             (f"- Both: {args.token_budget} tokens per step (ladle chunking.token_budget = chunking.size; "
             f"transformers max_batch_tokens), at most {args.max_num_seqs} requests per step, KV capacity "
             f"{kv_tokens} tokens each. transformers: attn_implementation {args.hf_attn!r}, fifo scheduler, "
-            f"block sharing off, page size {args.hf_page_size}. ladle: paged cache (block 16), prefix caching off."),
+            f"block sharing off, page size {args.hf_page_size}, its manager kept between calls "
+            f"(persistent_manager=True, built by a warm-up call) so that, as for ladle's engine, allocating the "
+            f"KV cache is not timed. ladle: paged cache (block 16), prefix caching off."),
             (f"- {args.repeats} round(s), order flipped every round; medians; the speed ratio is the median of "
             "per-round ratios."),
             "",
