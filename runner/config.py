@@ -100,6 +100,16 @@ class OutputConfig:
 
 
 @dataclass
+class ExecutorConfig:
+    kind: str = "local"  # local (one engine here) | ray (data-parallel replicas, runner/executors/ray_executor.py)
+    num_replicas: int = 1
+    num_gpus_per_replica: float = 0.0
+    num_cpus_per_replica: float = 1.0
+    batch_size: int = 256
+    address: str | None = None  # null = start a local Ray cluster
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -107,6 +117,7 @@ class JobConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     output: OutputConfig = field(default_factory=OutputConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     max_num_seqs: int = 64  # most requests running at once
     max_pending: int | None = None  # most requests read but unfinished (null = 4 x max_num_seqs)
     seed: int = 0  # engine sampling seed (requests without their own)

@@ -113,8 +113,9 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 class Job:
     def __init__(self, cfg: DictConfig, out_dir: str | Path, engine: Any = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, source: Source | None = None) -> None:
         self.cfg = cfg
+        self._source = source  # set by executors that give this job a share of the rows
         self.job = to_job_config(cfg)
         check(self.job)
         self.out_dir = Path(out_dir)
@@ -127,7 +128,7 @@ class Job:
         job, out = self.job, self.out_dir
         out.mkdir(parents=True, exist_ok=True)
         gen_path, steps_path = out / GENERATIONS, out / STEPS
-        source = open_source(job.workload)  # checks paths and columns before the model loads
+        source = self._source or open_source(job.workload)  # checks paths and columns before the model loads
         log.info("source: %s%s", source.description, f", {source.total} rows" if source.total is not None else "")
 
         for p in (gen_path, steps_path):
@@ -415,5 +416,11 @@ class _Loop:
 
 def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
             extra: dict[str, Any] | None = None) -> RunResult:
-    """Run the job described by a composed config into `out_dir` (see `Job`)."""
+    """Run the job described by a composed config into `out_dir` (see `Job`); executor=ray runs it on
+    data-parallel replicas (runner/executors/ray_executor.py)."""
+    if cfg.get("executor") is not None and cfg.executor.get("kind") == "ray":
+        check(to_job_config(cfg))
+        from runner.executors.ray_executor import run_ray
+
+        return run_ray(cfg, out_dir, extra)
     return Job(cfg, out_dir, engine=engine, extra=extra).run()
