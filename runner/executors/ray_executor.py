@@ -6,7 +6,7 @@ share into <out>/replicas/r<k>/, so each replica resumes on its own. Ray Data dr
 `map_batches` over the replica numbers with an actor pool of `num_replicas` actors; a task whose
 actor dies is retried by Ray (max_restarts / max_task_retries), and the retried replica resumes from
 the rows it had already flushed. The driver then merges the replicas' files into the run directory,
-keeping the first row per id, so a request is written exactly once. The engine knows nothing of Ray.
+keeping the first row per (id, index), so a request is written exactly once. The engine knows nothing of Ray.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ CRASH_ENV = "LADLE_TEST_CRASH"  # test-only: "<replica>:<rows>" -> that replica 
 class ShardSource(Source):
     """Replica k's rows of a source: those with index % n == k (round-robin)."""
 
-    def __init__(self, inner: Source, k: int, n: int, crash_after: int | None = None,
-                 crash_marker: Path | None = None) -> None:
-        self.inner, self.k, self.n = inner, k, n
+    def __init__(self, inner: Source, k: int, n: int, id_column: str | None = None,
+                 crash_after: int | None = None, crash_marker: Path | None = None) -> None:
+        self.inner, self.k, self.n, self.id_column = inner, k, n, id_column
         self.crash_after, self.crash_marker = crash_after, crash_marker
         self.total = None if inner.total is None else len(range(k, inner.total, n))
         self.description = f"{inner.description} (replica {k} of {n})"
@@ -44,8 +44,15 @@ class ShardSource(Source):
 
     def batches(self):
         seen = 0
+        ids: set[str] = set()  # every replica reads every row, so a duplicate id is an error row as with local
         for batch in self.inner.batches():
-            mine = [r for r in batch if r.index % self.n == self.k]
+            mine = []
+            for r in batch:
+                if r.index % self.n == self.k:
+                    if self.id_column is not None and r.id in ids:
+                        r.error = r.error or f"duplicate id {r.id!r} in column {self.id_column!r}"
+                    mine.append(r)
+                ids.add(r.id)
             if mine:
                 yield mine
             seen += len(mine)
@@ -84,7 +91,8 @@ class Replica:
             after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
             out = self.out_root / "replicas" / f"r{k}"
             out.mkdir(parents=True, exist_ok=True)
-            source = ShardSource(open_source(job.workload), k, self.n, after, out / ".crashed")
+            source = ShardSource(open_source(job.workload), k, self.n, job.workload.id_column,
+                                 after, out / ".crashed")
             res = Job(self.cfg, out, engine=self.engine, source=source, extra={"replica": k}).run()
             done.append(int(res.summary.get("requests", 0) or 0))
         return {"replica": batch["replica"], "requests": done}
@@ -104,12 +112,12 @@ def _merge(out: Path, n: int, name: str, add_replica: bool, dedupe: bool) -> pa.
         return None
     t = pa.concat_tables(tables, promote_options="default")
     if dedupe and t.num_rows:
-        ids = t["id"].to_pylist()
-        seen: set[str] = set()
+        # a row is (id, index): a source may repeat an id, and executor=local writes each such row
+        seen: set[tuple[str, int]] = set()
         keep = []
-        for i, x in enumerate(ids):
-            if x not in seen:
-                seen.add(x)
+        for i, key in enumerate(zip(t["id"].to_pylist(), t["index"].to_pylist(), strict=True)):
+            if key not in seen:
+                seen.add(key)
                 keep.append(i)
         t = t.take(pa.array(keep))
     return t

@@ -40,7 +40,9 @@ def mixed_parquet(tmp_path_factory):
         prompts.append(p)
         max_tokens.append(mt)
     path = tmp_path_factory.mktemp("ray_data") / "mixed.parquet"
-    pq.write_table(pa.table({"id": [f"q{i}" for i in range(N_ROWS)], "prompt": prompts,
+    ids = [f"q{i}" for i in range(N_ROWS)]
+    ids[-1] = "q0"  # a duplicate id on the other replica: an error row, as with executor=local
+    pq.write_table(pa.table({"id": ids, "prompt": prompts,
                              "max_tokens": pa.array(max_tokens, pa.int64())}), path)
     return path
 
@@ -51,13 +53,14 @@ def _args(path, *extra):
 
 
 def _by_id(path):
+    """Rows keyed by (id, index): ids may repeat in a source."""
     t = pq.read_table(path).to_pylist()
-    return {r["id"]: r for r in t}, len(t)
+    return {(r["id"], r["index"]): r for r in t}, len(t)
 
 
 def _same(row_a, row_b):
-    assert row_a["output_token_ids"] == row_b["output_token_ids"], row_a["id"]
-    assert row_a["error"] == row_b["error"], row_a["id"]
+    assert row_a["output_token_ids"] == row_b["output_token_ids"], row_a["index"]
+    assert row_a["error"] == row_b["error"], row_a["index"]
 
 
 RAY = ["executor=ray", "executor.num_replicas=2", "executor.num_cpus_per_replica=0.5", "executor.batch_size=64"]
