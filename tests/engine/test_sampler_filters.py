@@ -26,9 +26,9 @@ def _tail_token_logits() -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize(
     "params",
     [
-        dict(temperature=1.0),  # no filter at all: no sort
-        dict(temperature=1.0, top_p=1.0, top_k=VOCAB - 1, min_p=0.0),  # sorted path, top_p=1 kept whole
-        dict(temperature=0.5, top_p=1.0, top_k=0, min_p=0.0),
+        {"temperature": 1.0},  # no filter at all: no sort
+        {"temperature": 1.0, "top_p": 1.0, "top_k": VOCAB - 1, "min_p": 0.0},  # sorted path, top_p=1 kept whole
+        {"temperature": 0.5, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
     ],
 )
 def test_top_p_one_keeps_the_whole_vocabulary(monkeypatch, params):
