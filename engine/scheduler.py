@@ -70,7 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         ch = self.chunking
         out = SchedulerOutput()
-        budget = ch.token_budget if ch.token_budget is not None else float("inf")
+        budget = ch.step_budget(self.config.max_num_seqs, self.config.cache.max_model_len)
 
         # 1. Decodes, oldest first. A request that needs a block and finds none preempts the newest.
         decodes: list[Request] = []
