@@ -257,15 +257,15 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = req.params
-        all_ids = req.all_token_ids
-        new_text = self.detokenizer.step(self._detok[req.request_id], all_ids)
+        detok = self._detok[req.request_id]
+        new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            new_text += self.detokenizer.flush(self._detok[req.request_id], all_ids)
+            new_text += self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
         req.text += new_text
         if p.stop:
             cut = find_stop(req.text, len(new_text), p.stop)

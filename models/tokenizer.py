@@ -7,6 +7,7 @@ model uses, and the stand-in for random-weight models whose tokenizer files are 
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -92,6 +93,25 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def cleans_up_spaces(self) -> bool:
+        """Whether decode() rewrites spaces after decoding (" ." -> "."), as Llama 3's tokenizer does.
+
+        Observed, not read from the flag: transformers decides per tokenizer type and version whether
+        `clean_up_tokenization_spaces` is honoured (5.x ignores it for BPE models)."""
+        if not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return False
+        probe = self.encode("a . b , c ! d ? e n't f 's g 'm h 've i 're j ' k ' l", add_special_tokens=False)
+        return self.decode(probe) != self.decode_raw(probe)
+
+    def decode_raw(self, ids: list[int]) -> str:
+        """decode() without the clean-up of spaces: what incremental detokenisation windows need."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def clean_up(self, text: str) -> str:
+        """The tokenizer's own clean-up: decode(ids) == clean_up(decode_raw(ids))."""
+        return self.tokenizer.clean_up_tokenization(text)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer.chat_template is None:
