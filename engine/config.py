@@ -18,10 +18,11 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    path: str | None = None  # HF model directory, or a repo id found in the local HF cache
-    architecture: dict[str, Any] | None = None  # config.json keys: random weights when none are found
+    path: str | None = None  # HF model directory, or a repo id found in the local HF cache; null = random weights
+    architecture: dict[str, Any] | None = None  # config.json keys, for path=null or a path without config.json
+    random_weights: bool = False  # random weights even when path names a checkpoint (timings only)
     tokenizer: str | None = None  # tokenizer directory; null = the model's; "byte" = built-in byte-level
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the checkpoint's bf16/fp16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
     seed: int = 0  # random-weight initialisation
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch

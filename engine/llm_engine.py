@@ -18,18 +18,15 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; an explicit CUDA device must exist."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={device!r} but CUDA is not available; use model.device=cpu or auto")
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, _DTYPES[dtype]
+    return dev
 
 
 class LLMEngine:
@@ -40,8 +37,11 @@ class LLMEngine:
         self.config = config
         self.clock = clock or WallClock()
         mc = config.model
-        self.device, self.dtype = resolve_device_dtype(mc.device, mc.dtype)
-        self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed)
+        self.device = resolve_device(mc.device)
+        # dtype "auto" is decided in one place (models.resolve_dtype), once the checkpoint's is known.
+        self.model = load_model(mc.path, mc.architecture, dtype=mc.dtype, device=self.device, seed=mc.seed,
+                                random_weights=mc.random_weights)
+        self.dtype = next(self.model.parameters()).dtype
         arch = self.model.arch
         self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
         self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])

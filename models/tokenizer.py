@@ -36,19 +36,22 @@ class ByteTokenizer:
     SPECIALS: ClassVar[dict[int, str]] = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
     NUM_TOKENS = 259
 
-    def __init__(self, vocab_size: int = NUM_TOKENS):
+    def __init__(self, vocab_size: int = NUM_TOKENS, specials: bool = True):
+        """specials=False: a stand-in for a real model's missing tokenizer. Ids 256-258 are then that
+        model's ordinary tokens, so they are not used as <bos> (never added) nor <eos> (never stop)."""
         if vocab_size < self.NUM_TOKENS:
             raise ValueError(
                 f"the byte tokenizer needs a vocabulary of at least {self.NUM_TOKENS} tokens, the model has {vocab_size}"
             )
         self.vocab_size = vocab_size  # the model's; ids >= 259 exist but mean nothing here
-        self.eos_token_ids = [self.EOS]
-        self.bos_token_id = self.BOS
-        self.pad_token_id = self.PAD
+        self.specials = specials
+        self.eos_token_ids = [self.EOS] if specials else []
+        self.bos_token_id = self.BOS if specials else None
+        self.pad_token_id = self.PAD if specials else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.BOS, *ids] if add_special_tokens else ids
+        return [self.BOS, *ids] if add_special_tokens and self.specials else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         parts: list[str] = []
@@ -61,7 +64,7 @@ class ByteTokenizer:
             if run:
                 parts.append(run.decode("utf-8", errors="replace"))
                 run.clear()
-            if i in self.SPECIALS:
+            if i in self.SPECIALS and self.specials:
                 if not skip_special_tokens:
                     parts.append(self.SPECIALS[i])
             else:
@@ -174,4 +177,5 @@ def load_tokenizer(path: str | None, vocab_size: int, tokenizer: str | None = No
             f"with {vocab_size} tokens; prompts and outputs are bytes, not the model's real tokens",
             stacklevel=2,
         )
-    return ByteTokenizer(vocab_size)
+    # A stand-in: its <bos>/<eos> ids are ordinary tokens of this model (EOS comes from its config).
+    return ByteTokenizer(vocab_size, specials=False)

@@ -77,7 +77,7 @@ def make_engine(job: JobConfig) -> Any:
     clock = VirtualClock() if job.clock == "virtual" else WallClock()
     try:
         return LLMEngine(engine_config(job), clock=clock)
-    except ValueError as e:  # the engine's config checks (e.g. max_model_len beyond the model's)
+    except (ValueError, FileNotFoundError) as e:  # config checks, a model.path that is not there
         raise ConfigError(str(e)) from e
 
 

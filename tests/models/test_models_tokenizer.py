@@ -6,6 +6,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from models import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -102,3 +103,24 @@ def test_hf_tokenizer_from_a_model_directory(hf_tokenizer_dir):
 def test_explicit_tokenizer_that_cannot_be_found_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(None, 512, str(tmp_path / "missing"))
+
+
+def test_byte_fallback_for_a_real_vocabulary_adds_no_special_ids():
+    """A stand-in for a real model's missing tokenizer: 256-258 are that model's ordinary tokens, so
+    they are neither an EOS that stops generation nor a BOS put before every prompt."""
+    with pytest.warns(UserWarning, match="byte tokenizer"):
+        tok = load_tokenizer(None, 151936)
+    assert tok.eos_token_ids == [] and tok.bos_token_id is None
+    assert tok.encode("hi") == [104, 105]
+    assert tok.decode([104, 257, 105]) == "h\ufffdi"  # an id the stand-in cannot name
+    explicit = load_tokenizer(None, 512, "byte")  # the built-in tiny model's own tokenizer keeps them
+    assert explicit.eos_token_ids == [257] and explicit.encode("hi") == [256, 104, 105]
+
+
+def test_engine_eos_ids_come_from_the_model_when_the_tokenizer_is_a_stand_in(tiny_hf_model_dir):
+    from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
+
+    eng = LLMEngine(EngineConfig(model=ModelConfig(path=str(tiny_hf_model_dir("qwen3")), device="cpu"),
+                                 cache=CacheConfig(max_model_len=256)))
+    assert eng.eos_token_ids == set(eng.model.arch.eos_token_ids) and 257 not in eng.eos_token_ids
+    assert eng.dtype == torch.float32  # dtype auto on CPU
