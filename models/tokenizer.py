@@ -26,7 +26,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -73,8 +73,9 @@ class ByteTokenizer:
             parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' for the reply."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' for the reply (no template
+        variables: template_kwargs are accepted and have nothing to change)."""
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
@@ -116,7 +117,8 @@ class HFTokenizer:
         """The tokenizer's own clean-up: decode(ids) == clean_up(decode_raw(ids))."""
         return self.tokenizer.clean_up_tokenization(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """template_kwargs become variables of the Jinja template (e.g. enable_thinking=False)."""
         if self.tokenizer.chat_template is None:
             if not self._warned_template:
                 warnings.warn("the tokenizer has no chat template; using 'role: content' lines", stacklevel=2)
@@ -124,7 +126,7 @@ class HFTokenizer:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self.encode(text)
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
         )
         return [int(i) for i in ids]
 

@@ -300,7 +300,8 @@ class _Loop:
                     if row.id in seen:
                         error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
                     seen.add(row.id)
-                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column)
+                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
+                                    w.chat_template_kwargs)
                 error = error or enc.error
                 max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
                 error = error or mt_error

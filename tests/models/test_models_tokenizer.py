@@ -124,3 +124,21 @@ def test_engine_eos_ids_come_from_the_model_when_the_tokenizer_is_a_stand_in(tin
                                  cache=CacheConfig(max_model_len=256)))
     assert eng.eos_token_ids == set(eng.model.arch.eos_token_ids) and 257 not in eng.eos_token_ids
     assert eng.dtype == torch.float32  # dtype auto on CPU
+
+
+def test_chat_template_kwargs_reach_the_template(hf_tokenizer_dir):
+    """vLLM's chat_template_kwargs: template variables such as Qwen3's enable_thinking."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(hf_tokenizer_dir), local_files_only=True)
+    hf.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %} <|end|>{% endif %}"
+    )
+    tok = HFTokenizer(hf)
+    msgs = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(msgs) == [3, 6, 5, 4]
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == [3, 6, 5, 4, 5]
+    assert ByteTokenizer(512).apply_chat_template(msgs, enable_thinking=False) == ByteTokenizer(
+        512).apply_chat_template(msgs)
