@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -156,6 +157,7 @@ class Job:
             raise
         self.gen, self.steps = gen, steps
         interrupted = copied = False
+        rows_before = 0
         wall0 = time.perf_counter()
         try:
             for t in previous_batches(gen_path, True, job.output.retry_errors):
@@ -163,11 +165,10 @@ class Job:
             for t in previous_batches(steps_path, False):
                 steps.write_table(t)
             copied = True
+            rows_before = gen.rows_written
             loop.run()
         except KeyboardInterrupt:
             interrupted = True
-            log.warning("interrupted: %d requests in %s; run again into %s to resume", gen.rows_written,
-                        gen_path.name, out)
         finally:
             loop.close()
             for sink in (gen, steps):
@@ -176,6 +177,11 @@ class Job:
                 else:  # until the previous rows are copied, the old files are the only complete ones
                     sink.abort()
 
+        resume = resume_command(out, self.extra.get("overrides", []))
+        if interrupted:  # the counts are read after the sinks closed: every buffered row is on disk now
+            log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
+                        gen.rows_written - rows_before if copied else 0, gen.rows_written if copied else 0,
+                        gen_path, resume)
         extra = {
             "model": job.model.name,
             "workload": job.workload.name,
@@ -184,6 +190,7 @@ class Job:
             "kv_blocks_total": _call(eng, "num_total_blocks"),
             "resumed": loop.resumed,
             "complete": not interrupted,
+            "resume_command": None if not interrupted else resume,
             "wall_time_s": time.perf_counter() - wall0,
             "run_dir": str(out.resolve()),
             "config": {"max_num_seqs": job.max_num_seqs, "cache": dataclasses.asdict(job.cache),
@@ -235,6 +242,12 @@ class Job:
             except Exception as e:  # noqa: BLE001 - a plot must never cost the run its outputs
                 log.warning("%s plot failed: %s", name, e)
         return made
+
+
+def resume_command(out_dir: Path, overrides: list[str]) -> str:
+    """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
+    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return shlex.join([*"python -m runner".split(), *kept, f"hydra.run.dir={out_dir.resolve()}"])
 
 
 def _call(obj: Any, name: str) -> Any:

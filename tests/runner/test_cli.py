@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -75,10 +77,23 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted" in stdout + stderr  # Hydra logs to stdout
     rows = pq.read_table(out / "generations.parquet").to_pylist()
     assert 0 < len(rows) < 40 and not list(out.glob("*.tmp"))
-    assert json.loads((out / "summary.json").read_text())["complete"] is False
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False
+    # The message counts the rows really on disk and gives the exact command that resumes.
+    said = re.search(r"interrupted: (\d+) requests written by this run, (\d+) in \S+ in all; to resume, run: (.*)",
+                     stdout + stderr)
+    assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
+    assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
+    resume = shlex.split(said[3].strip())
+    assert resume[:3] == ["python", "-m", "runner"] and f"hydra.run.dir={out}" in resume
+    assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume
+    done = subprocess.run([sys.executable, *resume[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert pq.read_table(out / "generations.parquet").num_rows == 40
+    assert json.loads((out / "summary.json").read_text())["complete"] is True
 
 
 def test_config_error_exits_2_naming_the_key(tmp_path):
