@@ -247,7 +247,7 @@ class Job:
 def resume_command(out_dir: Path, overrides: list[str]) -> str:
     """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
-    return shlex.join([*"python -m runner".split(), *kept, f"hydra.run.dir={out_dir.resolve()}"])
+    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
 
 
 def _call(obj: Any, name: str) -> Any:
