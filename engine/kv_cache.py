@@ -68,12 +68,14 @@ class KVCacheManager:
         dtype: torch.dtype,
         device: torch.device,
         max_num_seqs: int,
+        num_blocks: int | None = None,
     ) -> None:
+        """num_blocks: the pool size the engine's memory plan chose; None sizes it from the config."""
         self.config = config
         self.contiguous = config.backend == "contiguous"
         self.block_size = config.max_model_len if self.contiguous else config.block_size
         bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        self.num_blocks = self._num_blocks(bytes_per_token, max_num_seqs, device)
+        self.num_blocks = num_blocks or self._num_blocks(bytes_per_token, max_num_seqs, device)
         self.pool = BlockPool(self.num_blocks, enable_caching=config.prefix_caching_enabled)
         shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -165,17 +165,7 @@ def load_model(
     dtype: a torch dtype or a name; "auto" follows the checkpoint on CUDA (see resolve_dtype).
     """
     device = torch.device(device)
-    model_dir = _find_model_dir(path, architecture, random_weights)
-    config = _read_json(model_dir / "config.json") if model_dir else None
-    generation_config = _read_json(model_dir / "generation_config.json") if model_dir else None
-    if config is None:
-        if architecture is None:
-            raise FileNotFoundError(
-                f"model.path={path!r}: {model_dir} has no config.json; point model.path at an HF model "
-                f"directory (config.json + *.safetensors) or give model.architecture (config.json keys)"
-            )
-        config = dict(architecture)
-    arch = arch_from_config(config, generation_config)
+    model_dir, arch = resolve_architecture(path, architecture, random_weights)
     model = build_model(arch, resolve_dtype(dtype, device, arch), device)
     files = weight_files(model_dir) if model_dir is not None and not random_weights else []
     if model_dir is not None and not random_weights and not files:
@@ -196,6 +186,24 @@ def load_model(
     )
     init_random(model, seed)
     return model
+
+
+def resolve_architecture(
+    path: str | None, architecture: dict[str, Any] | None, random_weights: bool = False
+) -> tuple[Path | None, ModelArch]:
+    """The model directory (None for random weights) and its architecture, reading only config files:
+    what an engine needs to plan its memory before any weight is loaded."""
+    model_dir = _find_model_dir(path, architecture, random_weights)
+    config = _read_json(model_dir / "config.json") if model_dir else None
+    generation_config = _read_json(model_dir / "generation_config.json") if model_dir else None
+    if config is None:
+        if architecture is None:
+            raise FileNotFoundError(
+                f"model.path={path!r}: {model_dir} has no config.json; point model.path at an HF model "
+                f"directory (config.json + *.safetensors) or give model.architecture (config.json keys)"
+            )
+        config = dict(architecture)
+    return model_dir, arch_from_config(config, generation_config)
 
 
 def _find_model_dir(path: str | None, architecture: dict[str, Any] | None, random_weights: bool) -> Path | None:

@@ -188,6 +188,7 @@ class Job:
             "clock": job.clock,
             "max_model_len": getattr(eng, "max_model_len", None),
             "kv_blocks_total": _call(eng, "num_total_blocks"),
+            "memory_plan_gib": _memory_plan(eng),
             "resumed": loop.resumed,
             "complete": not interrupted,
             "resume_command": None if not interrupted else resume,
@@ -248,6 +249,15 @@ def resume_command(out_dir: Path, overrides: list[str]) -> str:
     """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
+
+
+def _memory_plan(eng: Any) -> dict[str, float] | None:
+    plan = getattr(eng, "memory_plan", None)
+    if plan is None:
+        return None
+    gib = 2**30
+    return {"weights": plan.weights_bytes / gib, "kv_cache": plan.kv_bytes / gib,
+            "largest_step": plan.activation_bytes / gib, "available": plan.available_bytes / gib}
 
 
 def _call(obj: Any, name: str) -> Any:
