@@ -91,13 +91,14 @@ class ChunkingConfig:
     def step_budget(self, max_num_seqs: int, max_model_len: int) -> int:
         """Tokens one step may carry. An explicit token_budget wins (vLLM's max_num_batched_tokens);
         otherwise the chunk size (Sarathi: the step's budget is the chunk), raised to max_num_seqs so
-        every running decode fits. Unchunked, a whole prompt must fit: at least max_model_len.
+        every running decode fits. Unchunked, a whole prompt must fit beside every running decode:
+        max_model_len + max_num_seqs (with max_model_len alone a long prompt would wait for decodes).
         Never unbounded: a step's activations grow with its tokens, and an unbounded step is an OOM
         on a GPU (every waiting prompt admitted in one step)."""
         if self.token_budget is not None:
             return self.token_budget
         if not self.enabled:
-            return max(max_model_len, max_num_seqs)
+            return max_model_len + max_num_seqs
         return max(self.size, max_num_seqs)
 
 

@@ -189,3 +189,12 @@ def test_unchunked_with_a_headroom_below_max_model_len_is_refused(path):
     assert done[long_id].finish_reason == "length"
     first = next(s for s in steps if long_id in s.scheduled)
     assert first.scheduled[long_id] == 200 and first.decode_tokens == 3  # no waiting for decodes to end
+
+
+def test_unchunked_default_budget_fits_a_full_length_prompt_beside_every_decode(path):
+    """A prompt of max_model_len - 1 tokens must not wait for running decodes to finish."""
+    eng = make_engine(path, enabled=False, max_model_len=128, max_num_seqs=4)
+    decoders = start_decodes(eng, n=3)
+    long_id = eng.add_request(random_prompt(127, seed=7), SamplingParams(max_tokens=1, temperature=0.0))
+    eng.step()
+    assert eng.last_step.scheduled.get(long_id) == 127 and all(d in eng.last_step.scheduled for d in decoders)
