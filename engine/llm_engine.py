@@ -54,7 +54,7 @@ class LLMEngine:
                                 random_weights=mc.random_weights)
         if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
             step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
-            peak = profile_peak_bytes(self.model, step, self.max_model_len, config.max_num_seqs, mc.attention_backend)
+            peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
@@ -150,6 +150,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._rejected)
+
+    @property
+    def calibration_key(self) -> str:
+        """What a timing of this engine depends on (a stored calibration is reused only for the same)."""
+        mc = self.config.model
+        return f"{mc.name}|{mc.path}|{self.dtype}|{self.device}|{mc.attention_backend}|{mc.random_weights}"
+
+    def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
+        """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and
+        scheduler (sequence i computes its last query_lens[i] of seq_lens[i] tokens)."""
+        from engine.profiling import dummy_forward
+
+        return dummy_forward(self.model, query_lens, seq_lens, self.config.model.attention_backend)
 
     def num_free_blocks(self) -> int:
         return self.kv.pool.num_free

@@ -150,43 +150,28 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def profile_peak_bytes(model, num_tokens: int, max_model_len: int, max_num_seqs: int,
-                       backend: str = "auto") -> int | None:
+def profile_peak_bytes(model, num_tokens: int, max_model_len: int, backend: str = "auto") -> int | None:
     """Run one forward of `num_tokens` prompt tokens (sequences of at most max_model_len) and return
     the peak memory it allocated beyond the weights, on CUDA (None elsewhere: the CPU has no such
-    counter, the estimate stands). The KV cache it writes is a throwaway one just large enough."""
+    counter, the estimate stands). Its KV cache is a throwaway one just large enough (not counted)."""
     import torch
 
-    from kernels import AttentionMetadata
+    from engine.profiling import BLOCK, dummy_forward, prefill_shape
 
     device = next(model.parameters()).device
-    arch = model.arch
-    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
-    block = 16
-    tables, start = [], 0
-    for n in lens:
-        blocks = math.ceil(n / block)
-        tables.append(list(range(start, start + blocks)))
-        start += blocks
-    dtype = next(model.parameters()).dtype
-    caches = [torch.zeros(2, start, block, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-              for _ in range(arch.num_layers)]
-    rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens))][:max_num_seqs]
-    meta = AttentionMetadata.build(lens, lens, tables, block, device=device, logits_indices=rows, backend=backend)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    lens = prefill_shape(num_tokens, max_model_len)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        hidden = model(ids, pos, caches, meta)
-        model.compute_logits(hidden[meta.logits_indices])
+    dummy_forward(model, lens, lens, backend)
     if not cuda:
         return None
-    torch.cuda.synchronize(device)
-    cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    arch = model.arch
+    elem = next(model.parameters()).element_size()
+    blocks = sum(math.ceil(n / BLOCK) for n in lens)
+    cache_bytes = arch.num_layers * 2 * blocks * BLOCK * arch.num_kv_heads * arch.head_dim * elem
     return torch.cuda.max_memory_allocated(device) - base - cache_bytes
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.config import CONF_DIR, ConfigError, register_configs
@@ -49,7 +50,10 @@ def _main(cfg: DictConfig) -> None:
     out_dir = Path(hc.runtime.output_dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
-        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)})
+        shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
+        if hc.mode == RunMode.MULTIRUN:
+            shared = Path(hc.sweep.dir) / "calibration.json"
+        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)

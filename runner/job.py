@@ -30,8 +30,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from engine.sampling_params import SamplingParams
-from runner.arrivals import ArrivalError, Arrivals
-from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config
+from runner.arrivals import ArrivalError, ArrivalStreams
+from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config, uses_load
 from runner.report import format_table, summarize, write_summary
 from runner.sinks import (
     CONFIG_KEY,
@@ -114,13 +114,14 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 class Job:
     def __init__(self, cfg: DictConfig, out_dir: str | Path, engine: Any = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, calibration_path: Path | None = None) -> None:
         self.cfg = cfg
         self.job = to_job_config(cfg)
         check(self.job)
         self.out_dir = Path(out_dir)
         self.engine = engine
         self.extra = dict(extra or {})
+        self.calibration_path = calibration_path  # a sweep's runs share one arrival calibration
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     # ------------------------------------------------------------------------------------------------
@@ -148,6 +149,11 @@ class Job:
         source.vocab_size = vocab_size(eng)
 
         loop = _Loop(self, eng, source, done, attempt)
+        if uses_load(job.workload):  # arrival rates relative to this machine: time the model first
+            from runner.calibration import shared_calibration
+
+            loop.calibration = shared_calibration(eng, self.calibration_path)
+            source.calibration = loop.calibration
         meta = {CONFIG_KEY: self.config_yaml.encode()}
         gen = ParquetSink(gen_path, generations_schema(job.output.include_prompt), job.output.row_group_size, meta)
         try:
@@ -189,6 +195,7 @@ class Job:
             "max_model_len": getattr(eng, "max_model_len", None),
             "kv_blocks_total": _call(eng, "num_total_blocks"),
             "memory_plan_gib": _memory_plan(eng),
+            "arrival_calibration": _calibration(loop, source),
             "resumed": loop.resumed,
             "complete": not interrupted,
             "resume_command": None if not interrupted else resume,
@@ -251,6 +258,14 @@ def resume_command(out_dir: Path, overrides: list[str]) -> str:
     return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
 
 
+def _calibration(loop: _Loop, source: Source) -> dict[str, Any] | None:
+    """The calibration and the rates the `load` arrival processes resolved to (requests per second)."""
+    if loop.calibration is None:
+        return None
+    rates = {**(loop.streams.rates if loop.streams else {}), **getattr(source, "rates", {})}
+    return {**loop.calibration.as_dict(), "rates_per_s": rates}
+
+
 def _memory_plan(eng: Any) -> dict[str, float] | None:
     plan = getattr(eng, "memory_plan", None)
     if plan is None:
@@ -271,6 +286,8 @@ class _Loop:
     def __init__(self, job: Job, eng: Any, source: Source, done: set[str], attempt: int) -> None:
         self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
         self.cfg = job.job
+        self.calibration: Any = None  # runner.calibration.Calibration when an arrival process has a `load`
+        self.streams: ArrivalStreams | None = None
         self.clock = eng.clock
         self.t0 = self.clock.now()  # reset when the loop starts
         self.max_pending = self.cfg.max_pending or 4 * self.cfg.max_num_seqs
@@ -306,14 +323,29 @@ class _Loop:
         base = self.cfg.sampling
         if w.ignore_eos is not None:
             base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
-        arrivals = Arrivals(w.arrivals)
+        streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, self.calibration)
+        self.streams = streams
         tok = self.eng.tokenizer
         seen: set[str] | None = set() if w.id_column else None
+
+        def encode(row: Row) -> Any:
+            return encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
+                                 w.chat_template_kwargs)
+
         for batch in self.source.batches():
+            # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
+            encoded = {row.index: encode(row) for row in batch if row.id not in self.done or streams.unresolved()}
+            if streams.unresolved():
+                lengths: dict[str | None, list[int]] = {}
+                for row in batch:
+                    enc = encoded[row.index]
+                    if enc.token_ids and not enc.error:
+                        lengths.setdefault(streams.key(row.klass), []).append(len(enc.token_ids))
+                streams.resolve(lengths)
             for row in batch:
                 error = row.error
                 try:
-                    arrival = arrivals.next(row.arrival)
+                    arrival = streams.next(row.klass, row.arrival)
                 except ArrivalError as e:
                     arrival, error = math.nan, error or str(e)
                 if row.id in self.done:
@@ -323,8 +355,7 @@ class _Loop:
                     if row.id in seen:
                         error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
                     seen.add(row.id)
-                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
-                                    w.chat_template_kwargs)
+                enc = encoded[row.index]
                 error = error or enc.error
                 max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
                 error = error or mt_error
@@ -424,7 +455,7 @@ class _Loop:
         })
 
     def _write_row(self, p: Pending, values: dict[str, Any]) -> None:
-        row = {"id": p.row.id, "index": p.row.index, "attempt": self.attempt, **values}
+        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt, **values}
         if self.cfg.output.include_prompt:
             row["prompt"] = p.text
         self.job.gen.write(row)
@@ -438,6 +469,6 @@ class _Loop:
 
 
 def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
-            extra: dict[str, Any] | None = None) -> RunResult:
+            extra: dict[str, Any] | None = None, calibration_path: Path | None = None) -> RunResult:
     """Run the job described by a composed config into `out_dir` (see `Job`)."""
-    return Job(cfg, out_dir, engine=engine, extra=extra).run()
+    return Job(cfg, out_dir, engine=engine, extra=extra, calibration_path=calibration_path).run()

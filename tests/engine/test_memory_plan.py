@@ -78,4 +78,4 @@ def test_profile_run_runs_a_forward_at_the_step_width(tiny_hf_model_dir):
     from models import load_model
 
     model = load_model(str(tiny_hf_model_dir("qwen3")), None, torch.float32, "cpu")
-    assert profile_peak_bytes(model, 300, 128, 4) is None  # CPU: no allocator counter, the estimate stands
+    assert profile_peak_bytes(model, 300, 128) is None  # CPU: no allocator counter, the estimate stands
