@@ -34,11 +34,15 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_weight(x, self.weight)
+
+    def with_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This norm with another weight broadcastable over x (q and k heads normed in one go)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (xf * (1.0 + weight.float())).to(x.dtype)
+        return weight * xf.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm's call, so a layer
@@ -178,14 +182,23 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is None:
+            # q and k heads side by side: one RoPE over both.
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            # One norm over all q and k heads, each head scaled by its own projection's weight.
+            weight = torch.cat(
+                (
+                    self.q_norm.weight.expand(self.num_heads, -1),
+                    self.k_norm.weight.expand(self.num_kv_heads, -1),
+                )
+            )
+            qk = self.q_norm.with_weight(qk, weight)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attention(
             q,
             k,
