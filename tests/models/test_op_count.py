@@ -12,7 +12,7 @@ import torch
 
 from kernels import AttentionMetadata
 from models import load_model
-from models.op_count import count_layer_ops, ops_per_layer
+from models.op_count import count_layer_ops, decode_ops_per_layer
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 
@@ -20,18 +20,6 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Ge
 BUDGET = {"llama": 29, "qwen3": 36, "gemma3": 53}  # issue 11 targets: 25, 25, 35 (not yet reached)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def decode_forward_args(model, context_lens: list[int]):
-    """A decode batch: one new token per sequence, each with `context_lens[b]` tokens already cached."""
-    block_size = 16
-    per_seq = max(context_lens) // block_size + 1
-    caches = make_kv_caches(model, per_seq * len(context_lens) + 1, block_size)
-    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(context_lens))]
-    seq_lens = [n + 1 for n in context_lens]
-    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
-    ids = torch.arange(3, 3 + len(seq_lens))
-    return ids, torch.tensor(context_lens), caches, meta
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +34,7 @@ def models():
 @pytest.mark.parametrize("context_lens", [[10], [40, 35, 33]], ids=["one-seq", "ragged-batch"])
 def test_decode_ops_per_layer_within_budget(models, name, context_lens):
     model = models[name]
-    counts = ops_per_layer(model, *decode_forward_args(model, context_lens))
+    counts = decode_ops_per_layer(model, context_lens)
     # Unequal spans (one power-of-two bucket here) mask the padded keys: three more ops in SDPA.
     extra = 0 if len(set(context_lens)) == 1 else 3
     assert counts["compute"] <= BUDGET[name] + extra, counts
@@ -56,7 +44,8 @@ def test_decode_ops_per_layer_within_budget(models, name, context_lens):
 def test_each_layer_runs_four_matmuls(models, name):
     """Packed projections: qkv, o, gate_up, down (seven before packing)."""
     model = models[name]
-    args = decode_forward_args(model, [12, 7])
-    counter, scopes = count_layer_ops(model, *args)
+    caches = make_kv_caches(model, 3, 16)
+    meta = AttentionMetadata.build([1, 1], [13, 8], [[1], [2]], 16)
+    counter, scopes = count_layer_ops(model, torch.tensor([5, 6]), torch.tensor([12, 7]), caches, meta)
     for scope in scopes:
         assert counter.counts[scope]["aten.mm"] == 4, (scope, dict(counter.counts[scope]))
