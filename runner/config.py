@@ -78,6 +78,7 @@ class WorkloadConfig:
     prompt_column: str = "prompt"
     prompt_format: str = "auto"  # auto (by value: str | list of {role, content} | list of ints) | text | chat | tokens
     chat_template: bool = False  # wrap text prompts as one user message and apply the tokenizer's chat template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables, e.g. enable_thinking
     id_column: str | None = None  # null = the row index
     max_tokens_column: str | None = None  # per-row max_tokens (null values fall back to sampling.max_tokens)
     limit: int | None = None  # read at most this many rows

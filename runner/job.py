@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -77,7 +78,7 @@ def make_engine(job: JobConfig) -> Any:
     clock = VirtualClock() if job.clock == "virtual" else WallClock()
     try:
         return LLMEngine(engine_config(job), clock=clock)
-    except ValueError as e:  # the engine's config checks (e.g. max_model_len beyond the model's)
+    except (ValueError, FileNotFoundError) as e:  # config checks, a model.path that is not there
         raise ConfigError(str(e)) from e
 
 
@@ -156,6 +157,7 @@ class Job:
             raise
         self.gen, self.steps = gen, steps
         interrupted = copied = False
+        rows_before = 0
         wall0 = time.perf_counter()
         try:
             for t in previous_batches(gen_path, True, job.output.retry_errors):
@@ -163,11 +165,10 @@ class Job:
             for t in previous_batches(steps_path, False):
                 steps.write_table(t)
             copied = True
+            rows_before = gen.rows_written
             loop.run()
         except KeyboardInterrupt:
             interrupted = True
-            log.warning("interrupted: %d requests in %s; run again into %s to resume", gen.rows_written,
-                        gen_path.name, out)
         finally:
             loop.close()
             for sink in (gen, steps):
@@ -176,14 +177,21 @@ class Job:
                 else:  # until the previous rows are copied, the old files are the only complete ones
                     sink.abort()
 
+        resume = resume_command(out, self.extra.get("overrides", []))
+        if interrupted:  # the counts are read after the sinks closed: every buffered row is on disk now
+            log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
+                        gen.rows_written - rows_before if copied else 0, gen.rows_written if copied else 0,
+                        gen_path, resume)
         extra = {
             "model": job.model.name,
             "workload": job.workload.name,
             "clock": job.clock,
             "max_model_len": getattr(eng, "max_model_len", None),
             "kv_blocks_total": _call(eng, "num_total_blocks"),
+            "memory_plan_gib": _memory_plan(eng),
             "resumed": loop.resumed,
             "complete": not interrupted,
+            "resume_command": None if not interrupted else resume,
             "wall_time_s": time.perf_counter() - wall0,
             "run_dir": str(out.resolve()),
             "config": {"max_num_seqs": job.max_num_seqs, "cache": dataclasses.asdict(job.cache),
@@ -235,6 +243,21 @@ class Job:
             except Exception as e:  # noqa: BLE001 - a plot must never cost the run its outputs
                 log.warning("%s plot failed: %s", name, e)
         return made
+
+
+def resume_command(out_dir: Path, overrides: list[str]) -> str:
+    """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
+    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
+
+
+def _memory_plan(eng: Any) -> dict[str, float] | None:
+    plan = getattr(eng, "memory_plan", None)
+    if plan is None:
+        return None
+    gib = 2**30
+    return {"weights": plan.weights_bytes / gib, "kv_cache": plan.kv_bytes / gib,
+            "largest_step": plan.activation_bytes / gib, "available": plan.available_bytes / gib}
 
 
 def _call(obj: Any, name: str) -> Any:
@@ -300,7 +323,8 @@ class _Loop:
                     if row.id in seen:
                         error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
                     seen.add(row.id)
-                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column)
+                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
+                                    w.chat_template_kwargs)
                 error = error or enc.error
                 max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
                 error = error or mt_error

@@ -177,6 +177,10 @@ def format_table(s: dict[str, Any]) -> str:
     if s.get("clock"):
         title += f"  clock={s['clock']}"
     lines.append(title)
+    if s.get("complete") is False:
+        lines.append("INCOMPLETE: the run was interrupted; the numbers cover the requests written so far")
+        if s.get("resume_command"):
+            lines.append(f"resume with: {s['resume_command']}")
     lines.append(f"requests      {s['requests']}  (completed {s['completed']}, errors {s['errors']}"
                  + (f", resumed {s['resumed']}" if s.get("resumed") else "") + ")")
     lines.append(f"duration      {_num(s['duration_s'], '{:.3f}')} s")

@@ -415,8 +415,13 @@ def _messages(value: list) -> list[dict[str, str]]:
     return msgs
 
 
-def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, column: str) -> Encoded:
-    """One row's prompt as token ids, or the reason it cannot be (never raises)."""
+def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, column: str,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> Encoded:
+    """One row's prompt as token ids, or the reason it cannot be (never raises).
+
+    chat_template_kwargs go to the template as variables (vLLM's chat_template_kwargs), e.g.
+    {"enable_thinking": False} for Qwen3."""
+    kw = chat_template_kwargs or {}
     if value is None:
         return Encoded(None, None, f"prompt is null (column {column!r})")
     kind = _kind_of(value)
@@ -434,9 +439,9 @@ def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, col
             return Encoded(ids, None)
         if kind == "chat":
             msgs = _messages(list(value))
-            return Encoded(list(tokenizer.apply_chat_template(msgs)), json.dumps(msgs, ensure_ascii=False))
+            return Encoded(list(tokenizer.apply_chat_template(msgs, **kw)), json.dumps(msgs, ensure_ascii=False))
         if chat_template:
-            return Encoded(list(tokenizer.apply_chat_template([{"role": "user", "content": value}])), value)
+            return Encoded(list(tokenizer.apply_chat_template([{"role": "user", "content": value}], **kw)), value)
         return Encoded(list(tokenizer.encode(value)), value)
     except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this row's error, not the job's
         return Encoded(None, value if isinstance(value, str) else None, f"prompt could not be tokenized: {e}")
