@@ -91,32 +91,60 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device | str)
     return model.eval()
 
 
+def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | None]]:
+    """Checkpoint tensor name -> (model parameter, its rows or None for all of it).
+
+    The packed-modules mapping: a PackedLinear (`qkv_proj`, `gate_up_proj`) stands for several
+    checkpoint tensors (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`), each filling its rows.
+    """
+    from models.layers import PackedLinear
+
+    targets: dict[str, tuple[torch.Tensor, slice | None]] = {}
+    packed = {name: mod for name, mod in model.named_modules() if isinstance(mod, PackedLinear)}
+    for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
+        module_name, _, leaf = name.rpartition(".")
+        module = packed.get(module_name)
+        if module is None:
+            targets[name] = (param, None)
+            continue
+        parent = module_name.rpartition(".")[0]
+        for shard in module.shards:
+            targets[f"{parent}.{shard}.{leaf}"] = (param, module.shard_rows(shard))
+    return targets
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Copy every parameter from the safetensors files, checking names and shapes."""
-    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    """Copy every checkpoint tensor into its parameter (or packed rows), checking names and shapes."""
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                param = params.get(name)
-                if param is None:
+                target = targets.get(name)
+                if target is None:
                     if not (name == "lm_head.weight" and model.arch.tie_word_embeddings):
                         unexpected.append(name)
                     continue
+                param, rows = target
+                dest = param if rows is None else param[rows]
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(param.shape):
+                if shape != tuple(dest.shape):
                     raise ValueError(
                         f"tensor {name!r} in {file.name} has shape {list(shape)} but the model "
-                        f"({model.arch.architecture}) expects {list(param.shape)}: the checkpoint does "
+                        f"({model.arch.architecture}) expects {list(dest.shape)}: the checkpoint does "
                         f"not match its config.json"
                     )
-                param.copy_(f.get_tensor(name))
+                dest.copy_(f.get_tensor(name))
                 loaded.add(name)
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n in targets if n not in loaded]
     if missing:
-        shown = ", ".join(f"{n!r} (shape {list(params[n].shape)})" for n in missing[:5])
+        def shape_of(n: str) -> list[int]:
+            param, rows = targets[n]
+            return list((param if rows is None else param[rows]).shape)
+
+        shown = ", ".join(f"{n!r} (shape {shape_of(n)})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(
             f"checkpoint {files[0].parent} is missing tensor(s) {shown}{more} "

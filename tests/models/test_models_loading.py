@@ -132,7 +132,7 @@ def test_random_init_is_deterministic_per_seed():
     with pytest.warns(RandomWeightsWarning, match="RANDOM"):
         a, b, c = (load(None, QWEN3_ARCH, seed=s) for s in (3, 3, 4))
     assert_same_weights(a, b)
-    w_a, w_c = a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight
+    w_a, w_c = a.model.layers[0].mlp.gate_up_proj.weight, c.model.layers[0].mlp.gate_up_proj.weight
     assert not torch.equal(w_a, w_c)
     assert abs(w_a.std().item() - 0.02) < 0.002 and w_a.mean().abs().item() < 0.002
     assert torch.equal(a.model.norm.weight, torch.ones(64))
@@ -216,3 +216,17 @@ def test_one_place_decides_dtype():
     with pytest.warns(RandomWeightsWarning):
         model = load_model(None, {**QWEN3_ARCH, "torch_dtype": "bfloat16"}, "auto", "cpu")
     assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_packed_projections_hold_the_checkpoint_tensors_row_for_row(tiny_hf_model_dir, name):
+    """qkv_proj = cat(q, k, v) and gate_up_proj = cat(gate, up) of the checkpoint, in that order."""
+    path = tiny_hf_model_dir(name)
+    tensors = load_file(str(next(path.glob("*.safetensors"))))
+    model = load(path)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        qkv = [tensors[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        gate_up = [tensors[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
