@@ -117,6 +117,7 @@ class JobConfig:
     max_pending: int | None = None  # most requests read but unfinished (null = 4 x max_num_seqs)
     seed: int = 0  # engine sampling seed (requests without their own)
     clock: str = "virtual"  # virtual (replay: idle gaps are skipped, latencies are compute time) | wall
+    threads: int | None = None  # torch CPU threads; null = the free cores (runner/threads.py)
 
 
 def _data_path(name: str) -> str:
@@ -233,6 +234,8 @@ def check(job: JobConfig) -> None:
                 _check_arrivals(f"{key}.arrival", g.arrival)
     if job.output.row_group_size < 1 or job.output.steps_row_group_size < 1:
         raise ConfigError("output.row_group_size and output.steps_row_group_size must be >= 1")
+    if job.threads is not None and job.threads < 1:
+        raise ConfigError(f"threads={job.threads} must be >= 1 or null (null = the free cores)")
     if job.max_pending is not None and job.max_pending < job.max_num_seqs:
         raise ConfigError(f"max_pending={job.max_pending} must be >= max_num_seqs ({job.max_num_seqs}) or null")
     problems = job.sampling.problems()

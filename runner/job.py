@@ -142,8 +142,12 @@ class Job:
         if done:
             log.info("resuming into %s: %d requests already done, attempt %d", out, len(done), attempt)
 
+        threads = None
         if self.engine is None:
-            log.info("loading model %s", job.model.name)
+            from runner.threads import apply_threads
+
+            threads = apply_threads(job.threads)
+            log.info("loading model %s (%d CPU threads)", job.model.name, threads["threads"])
             self.engine = make_engine(job)
         eng = self.engine
         source.vocab_size = vocab_size(eng)
@@ -195,6 +199,7 @@ class Job:
             "max_model_len": getattr(eng, "max_model_len", None),
             "kv_blocks_total": _call(eng, "num_total_blocks"),
             "memory_plan_gib": _memory_plan(eng),
+            "cpu_threads": threads,
             "arrival_calibration": _calibration(loop, source),
             "resumed": loop.resumed,
             "complete": not interrupted,
