@@ -207,7 +207,7 @@ def load_model(
         return model
     why = "model.path is null" if path is None else "model.random_weights=true"
     warnings.warn(
-        f"model weights are RANDOM ({arch.architecture}, {arch.num_parameters() / 1e9:.2f}B parameters, "
+        f"model weights are RANDOM ({arch.architecture}, {_count(arch.num_parameters())} parameters, "
         f"seed {seed}): {why}. Outputs are meaningless; timings are real.",
         RandomWeightsWarning,
         stacklevel=2,
@@ -232,6 +232,10 @@ def resolve_architecture(
             )
         config = dict(architecture)
     return model_dir, arch_from_config(config, generation_config)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _find_model_dir(path: str | None, architecture: dict[str, Any] | None, random_weights: bool) -> Path | None:

@@ -147,7 +147,7 @@ class Job:
             from runner.threads import apply_threads
 
             threads = apply_threads(job.threads)
-            log.info("loading model %s (%d CPU threads)", job.model.name, threads["threads"])
+            log.info("loading model %s (CPU threads: %d)", job.model.name, threads["threads"])
             self.engine = make_engine(job)
         eng = self.engine
         source.vocab_size = vocab_size(eng)
