@@ -78,7 +78,8 @@ def make_engine(
     if chunk is None:
         chunking = ChunkingConfig(enabled=False)
     else:
-        chunking = ChunkingConfig(size=chunk, token_budget=chunk if step_budget else None)
+        # Without a step budget each prompt may get a chunk in the same step (a budget too large to bind).
+        chunking = ChunkingConfig(size=chunk, token_budget=chunk if step_budget else 1 << 30)
     cfg = EngineConfig(
         model=bu.engine_model_config(arch),
         cache=CacheConfig(num_blocks=num_blocks, max_model_len=max_model_len),

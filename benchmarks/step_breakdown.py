@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+from models.op_count import decode_ops_per_layer
 
 PHASES = ["schedule", "prepare", "forward", "sample", "update"]
 
@@ -272,6 +273,10 @@ def main() -> None:
                       long_context + n_decode + 16, context + n_decode + 16 + long_context // chunk + 16) + 16
         arch["max_position_embeddings"] = max(arch["max_position_embeddings"], max_len)  # tiny has 4096
         eng = make_engine(arch, args.dtype, max(*batches, args.mixed_batch + 1), chunk, max_len, kv_tokens)
+        ops = decode_ops_per_layer(eng.model, [context] * 4)
+        ops_line = (f"aten ops per decoder layer, decode forward of 4 sequences (eager, models/op_count.py): "
+                    f"{ops['compute']:.1f} compute + {ops['views']:.1f} view ops")
+        print(ops_line)
         results, profiles = measure_states(eng, batches, args.mixed_batch, chunk, context, steps, profile_steps,
                                            warmup, long_context)
         headers = ["state", "tokens", "step ms"] + [f"{p} ms" for p in PHASES] + ["outside forward",
@@ -291,13 +296,13 @@ def main() -> None:
         eff_table = bu.markdown_table(["prefill-only step", "GFLOP", "forward s", "forward GFLOP/s",
                                        "torch matmul GFLOP/s (same shapes)", "fraction"], eff)
         print(f"\n{eff_table}\n({time.perf_counter() - t0:.0f}s)")
-        sections.append((name, arch, table, prof_tables, eff_table, context, steps))
+        sections.append((name, arch, table, prof_tables, eff_table, context, steps, ops_line))
 
     if args.write_docs:
         cmd = f".venv/bin/python benchmarks/step_breakdown.py{' --quick' if q else ''} --write-docs"
         lines = [f"Command: `{cmd}` (torch threads {threads}, {args.dtype}).", ""]
-        for name, arch, table, prof_tables, eff_table, context, steps in sections:
-            lines += [f"### {name}: {bu.describe_arch(arch)}", "",
+        for name, arch, table, prof_tables, eff_table, context, steps, ops_line in sections:
+            lines += [f"### {name}: {bu.describe_arch(arch)}", "", ops_line + ".", "",
                       f"Decoding requests have {context}-token prompts; medians over {steps} steps per state.", "",
                       table, ""]
             for state, pt in prof_tables:

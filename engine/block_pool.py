@@ -18,10 +18,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Insertion order is eviction order: blocks freed earlier are reused first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block key -> block id
         self.num_evictions = 0
 
     @property
@@ -59,7 +59,7 @@ class BlockPool:
                     self._free[block] = None
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, block: int) -> None:
@@ -68,7 +68,7 @@ class BlockPool:
             del self._free[block]
         self.ref_counts[block] += 1
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """Record that `block` now holds the full block of tokens identified by block_hash."""
         if not self.enable_caching or self.block_hash[block] is not None:
             return

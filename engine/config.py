@@ -18,10 +18,11 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    path: str | None = None  # HF model directory, or a repo id found in the local HF cache
-    architecture: dict[str, Any] | None = None  # config.json keys: random weights when none are found
+    path: str | None = None  # HF model directory, or a repo id found in the local HF cache; null = random weights
+    architecture: dict[str, Any] | None = None  # config.json keys, for path=null or a path without config.json
+    random_weights: bool = False  # random weights even when path names a checkpoint (timings only)
     tokenizer: str | None = None  # tokenizer directory; null = the model's; "byte" = built-in byte-level
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the checkpoint's bf16/fp16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
     seed: int = 0  # random-weight initialisation
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
@@ -65,7 +66,9 @@ class CacheConfig:
 class ChunkingConfig:
     enabled: bool = True  # false: a prompt is prefilled whole in one step
     size: int = 512  # most prompt tokens one request gets per step
-    token_budget: int | None = None  # most tokens (decode + prefill) per step; null = unbounded
+    # Most tokens (decodes + prefill chunks) one step carries. null = derived (see step_budget): the
+    # chunk size, so a step is one chunk's worth of work as in Sarathi, and sweeping `size` changes it.
+    token_budget: int | None = None
     max_chunks_per_step: int | None = None  # most requests prefilling in one step
     max_partial_prefills: int | None = None  # most started-but-unfinished prefills at once
     decode_headroom: int | None = None  # prefill tokens per step are capped at this while decodes run
@@ -85,6 +88,19 @@ class ChunkingConfig:
         _check(self.prefill_interval >= 1, "chunking.prefill_interval", self.prefill_interval, "must be >= 1")
         _check(self.ubatch is None or self.ubatch >= 1, "chunking.ubatch", self.ubatch, "must be >= 1 or null")
 
+    def step_budget(self, max_num_seqs: int, max_model_len: int) -> int:
+        """Tokens one step may carry. An explicit token_budget wins (vLLM's max_num_batched_tokens);
+        otherwise the chunk size (Sarathi: the step's budget is the chunk), raised to max_num_seqs so
+        every running decode fits. Unchunked, a whole prompt must fit beside every running decode:
+        max_model_len + max_num_seqs (with max_model_len alone a long prompt would wait for decodes).
+        Never unbounded: a step's activations grow with its tokens, and an unbounded step is an OOM
+        on a GPU (every waiting prompt admitted in one step)."""
+        if self.token_budget is not None:
+            return self.token_budget
+        if not self.enabled:
+            return max_model_len + max_num_seqs
+        return max(self.size, max_num_seqs)
+
 
 @dataclass
 class EngineConfig:
@@ -99,8 +115,14 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.chunking.validate(self.max_num_seqs)
-        budget = self.chunking.token_budget
-        _check(self.chunking.enabled or budget is None or budget >= self.cache.max_model_len,
-               "chunking.token_budget", budget,
+        ch, max_len = self.chunking, self.cache.max_model_len
+        _check(ch.enabled or ch.token_budget is None or ch.token_budget >= max_len,
+               "chunking.token_budget", ch.token_budget,
                f"with chunking.enabled=false a whole prompt must fit one step: use >= cache.max_model_len "
-               f"({self.cache.max_model_len}), null, or enable chunking")
+               f"({max_len}), null, or enable chunking")
+        # Unchunked, a prompt longer than the headroom could never be cut to fit it: it would wait
+        # for every decode to finish while first-come-first-served admission blocks the queue behind it.
+        _check(ch.enabled or ch.decode_headroom is None or ch.decode_headroom >= max_len,
+               "chunking.decode_headroom", ch.decode_headroom,
+               f"with chunking.enabled=false a whole prompt must fit the headroom: use >= cache.max_model_len "
+               f"({max_len}), null, or enable chunking (chunking.enabled=true)")

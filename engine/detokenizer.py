@@ -1,50 +1,99 @@
 """Incremental detokenisation and stop strings.
 
-Text deltas come from decoding a short window of recent tokens (prefix/read offsets, as in vLLM
-and TGI): a delta is released only when it does not end in an incomplete UTF-8 sequence, so each
-character appears exactly once and multi-token characters are never split.
+Text deltas come from decoding a short window of recent tokens (prefix/read offsets, as in vLLM and
+TGI): a delta is released only when it does not end in an incomplete UTF-8 sequence, so each character
+appears exactly once and multi-token characters are never split.
+
+Windows are decoded *raw*, without the tokenizer's clean-up of spaces: HF tokenizers with
+`clean_up_tokenization_spaces=True` (Llama 3's ship that way) rewrite text across a window's boundary
+(" ." -> "."), so deltas of cleaned windows lose or repeat characters. The clean-up is a string rewrite
+applied to the whole text; it is applied here to the raw text in pieces cut where no rewrite can
+straddle the cut, so the deltas add up to exactly `tokenizer.decode(output_ids)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# A cut keeps this many raw characters back: a clean-up rule that could still match text arriving
+# later starts inside them (HF's longest rule, " n't", is 4 characters).
+CLEANUP_HOLDBACK = 8
 
 
 @dataclass(slots=True)
 class DetokState:
-    """Offsets into prompt + output ids. Starting a few prompt tokens back gives the tokenizer the
-    context it needs (e.g. SentencePiece's leading-space handling) for the first output token."""
+    """Offsets into prompt + output ids. They start at the output: the text of a request is
+    `tokenizer.decode(output_ids)`, which for SentencePiece-style tokenizers drops the first token's
+    leading space; decoding with prompt context would keep it and differ from that."""
 
     prefix_offset: int
     read_offset: int
+    pending: str = ""  # raw text not yet cleaned up and released (clean-up tokenizers only)
 
     @staticmethod
     def for_prompt(num_prompt_tokens: int) -> DetokState:
-        return DetokState(prefix_offset=max(0, num_prompt_tokens - 5), read_offset=num_prompt_tokens)
+        return DetokState(prefix_offset=num_prompt_tokens, read_offset=num_prompt_tokens)
+
+
+def _window(prompt: Sequence[int], output: Sequence[int], start: int, end: int | None = None) -> list[int]:
+    """Tokens [start, end) of prompt + output, without building prompt + output (O(window))."""
+    n = len(prompt)
+    end = n + len(output) if end is None else end
+    if start >= n:
+        return list(output[start - n : end - n])
+    return list(prompt[start:end]) + list(output[: max(0, end - n)])
 
 
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode_raw: Callable[[list[int]], str] = getattr(tokenizer, "decode_raw", tokenizer.decode)
+        self._clean_up: Callable[[str], str] | None = (
+            tokenizer.clean_up if getattr(tokenizer, "cleans_up_spaces", False) else None
+        )
 
-    def step(self, state: DetokState, token_ids: list[int]) -> str:
-        """New text produced by the tokens appended to token_ids (prompt + output) since the last call."""
-        decode = self.tokenizer.decode
-        prefix = decode(token_ids[state.prefix_offset : state.read_offset])
-        full = decode(token_ids[state.prefix_offset :])
+    def step(self, state: DetokState, prompt: Sequence[int], output: Sequence[int]) -> str:
+        """Text produced by the output tokens appended since the last call."""
+        prefix = self._decode_raw(_window(prompt, output, state.prefix_offset, state.read_offset))
+        full = self._decode_raw(_window(prompt, output, state.prefix_offset))
+        raw = ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             state.prefix_offset = state.read_offset
-            state.read_offset = len(token_ids)
-            return full[len(prefix) :]
-        return ""
+            state.read_offset = len(prompt) + len(output)
+            raw = full[len(prefix) :]
+        return self._release(state, raw, final=False)
 
-    def flush(self, state: DetokState, token_ids: list[int]) -> str:
-        """Whatever text is held back at the end (e.g. an incomplete character) when a request ends."""
-        decode = self.tokenizer.decode
-        prefix = decode(token_ids[state.prefix_offset : state.read_offset])
-        full = decode(token_ids[state.prefix_offset :])
-        state.prefix_offset = state.read_offset = len(token_ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+    def flush(self, state: DetokState, prompt: Sequence[int], output: Sequence[int]) -> str:
+        """Whatever text is held back at the end (an incomplete character, text a clean-up rule could
+        still rewrite) when a request ends."""
+        prefix = self._decode_raw(_window(prompt, output, state.prefix_offset, state.read_offset))
+        full = self._decode_raw(_window(prompt, output, state.prefix_offset))
+        state.prefix_offset = state.read_offset = len(prompt) + len(output)
+        raw = full[len(prefix) :] if len(full) > len(prefix) else ""
+        return self._release(state, raw, final=True)
+
+    def _release(self, state: DetokState, raw: str, final: bool) -> str:
+        if self._clean_up is None:
+            return raw
+        text = state.pending + raw
+        cut = len(text) if final else self._safe_cut(text)
+        state.pending = text[cut:]
+        return self._clean_up(text[:cut]) if cut else ""
+
+    def _safe_cut(self, text: str) -> int:
+        """A position where cleaning up the two sides separately equals cleaning up the whole, far
+        enough from the end that text still to come cannot form a rule across it; 0 if none."""
+        limit = len(text) - CLEANUP_HOLDBACK
+        clean = self._clean_up
+        whole = None
+        for cut in (limit, text.rfind(" ", 0, max(limit, 0) + 1)):
+            if cut <= 0:
+                continue
+            whole = clean(text) if whole is None else whole
+            if clean(text[:cut]) + clean(text[cut:]) == whole:
+                return cut
+        return 0
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:

@@ -9,8 +9,12 @@ The kernels see the same metadata for both.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +25,36 @@ from engine.request import Request
 _DEFAULT_CPU_CACHE_GB = 4.0
 
 
-def hash_block(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Chained hash of a full block: equal only for equal tokens after an equal prefix."""
-    return hash((parent, tokens))
+_ROOT = hashlib.sha256(b"ladle/prefix-cache/v1").digest()  # the parent of a sequence's first block
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
+    """Key of a full block: sha256 over the parent block's key, the token ids and any extra keys.
+
+    A key names the block's KV, so two blocks may share it only if everything that shapes the KV is
+    equal: the whole prefix (through the parent chain), the tokens, and whatever else would change the
+    KV (`extra_keys`: e.g. a LoRA adapter's name or an image's digest; none exist yet). A
+    cryptographic digest, not Python's 64-bit `hash`, so keys cannot be made to collide (the class of
+    vLLM's CVE-2025-25183); tokens are encoded as fixed-width int64 and each extra key is
+    length-prefixed, so no two different inputs share an encoding.
+    """
+    h = hashlib.sha256(parent if parent is not None else _ROOT)
+    h.update(len(tokens).to_bytes(4, "little"))
+    h.update(array("q", tokens).tobytes())
+    for key in extra_keys:
+        raw = key.encode()
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    return h.digest()
+
+
+@dataclass(slots=True)
+class AdmissionPlan:
+    """What admitting a request would take, computed without changing the pool."""
+
+    hits: list[int]  # cached blocks holding its leading full blocks
+    num_new_blocks: int  # blocks to allocate for the rest of its known tokens
+    num_cached_tokens: int  # tokens whose KV the hits already hold
 
 
 class KVCacheManager:
@@ -37,12 +68,14 @@ class KVCacheManager:
         dtype: torch.dtype,
         device: torch.device,
         max_num_seqs: int,
+        num_blocks: int | None = None,
     ) -> None:
+        """num_blocks: the pool size the engine's memory plan chose; None sizes it from the config."""
         self.config = config
         self.contiguous = config.backend == "contiguous"
         self.block_size = config.max_model_len if self.contiguous else config.block_size
         bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        self.num_blocks = self._num_blocks(bytes_per_token, max_num_seqs, device)
+        self.num_blocks = num_blocks or self._num_blocks(bytes_per_token, max_num_seqs, device)
         self.pool = BlockPool(self.num_blocks, enable_caching=config.prefix_caching_enabled)
         shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -81,21 +114,22 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return 1 if self.contiguous else math.ceil(num_tokens / self.block_size)
 
-    def _prefix_hashes(self, req: Request, num_blocks: int) -> list[int]:
+    def _prefix_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Hashes of the request's first num_blocks full blocks (computed once, then extended)."""
         bs = self.block_size
-        tokens = req.all_token_ids
         while len(req.block_hashes) < num_blocks:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            tokens = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            req.block_hashes.append(hash_block(parent, tokens))
         return req.block_hashes[:num_blocks]
 
-    def allocate_for_admission(self, req: Request) -> bool:
-        """Give a waiting request blocks for all its known tokens, reusing cached prefix blocks.
+    def plan_admission(self, req: Request) -> AdmissionPlan | None:
+        """Blocks for all of a waiting request's known tokens, reusing cached prefix blocks; None if
+        they don't fit. Changes nothing: the scheduler checks every other rule before committing.
 
-        Sets num_computed_tokens to the cached length: full blocks only, and never the last known
-        token, whose logits must be computed. Returns False (taking nothing) if the blocks don't fit.
+        The cached length is whole blocks only, and never the last known token, whose logits must be
+        computed.
         """
         num_tokens = req.num_tokens
         total = self.blocks_needed(num_tokens)
@@ -106,15 +140,18 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
-        reclaimed = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # hits that sit in the free queue
         if total - len(hits) > self.pool.num_free - reclaimed:
-            return False
-        for b in hits:
+            return None
+        return AdmissionPlan(hits, total - len(hits), len(hits) * self.block_size)
+
+    def commit_admission(self, req: Request, plan: AdmissionPlan) -> None:
+        """Take the planned blocks (hits first, so allocation cannot evict them)."""
+        for b in plan.hits:
             self.pool.touch(b)
-        req.block_ids = hits + self.pool.allocate(total - len(hits))
-        req.num_cached_blocks = len(hits)
-        req.num_computed_tokens = len(hits) * self.block_size
-        return True
+        req.block_ids = plan.hits + self.pool.allocate(plan.num_new_blocks)
+        req.num_cached_blocks = len(plan.hits)
+        req.num_computed_tokens = plan.num_cached_tokens
 
     def ensure_capacity(self, req: Request, num_tokens: int) -> bool:
         """Make sure the request has blocks for num_tokens tokens; False if the pool is out."""

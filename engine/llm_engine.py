@@ -12,46 +12,55 @@ from engine.clock import Clock, WallClock
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
+from engine.memory import plan_kv_cache, profile_peak_bytes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; an explicit CUDA device must exist."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={device!r} but CUDA is not available; use model.device=cpu or auto")
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, _DTYPES[dtype]
+    return dev
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
-        from models import load_model, load_tokenizer  # engine -> models, never the reverse
+        from models import load_model, load_tokenizer, resolve_architecture, resolve_dtype  # engine -> models
 
         config.validate()
         self.config = config
         self.clock = clock or WallClock()
         mc = config.model
-        self.device, self.dtype = resolve_device_dtype(mc.device, mc.dtype)
-        self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed)
-        arch = self.model.arch
-        self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
-        self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
-        self.vocab_size = arch.vocab_size
+        self.device = resolve_device(mc.device)
+        # Config files only: the shapes, the dtype and the memory plan come before any weight is loaded.
+        _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
         self.max_model_len = config.cache.max_model_len
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                 f"({arch.max_position_embeddings}); lower cache.max_model_len"
             )
+        self.dtype = resolve_dtype(mc.dtype, self.device, arch)  # the one rule for dtype "auto"
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.memory_plan, num_blocks = plan_kv_cache(config, arch, elem, self.device)
+        self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed,
+                                random_weights=mc.random_weights)
+        if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
+            step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
+            peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
+            self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
+                config, arch, elem, self.device, measured_activation_bytes=peak,
+                available_bytes=self.memory_plan.available_bytes)
+        self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
+        self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
+        self.vocab_size = arch.vocab_size
         self.kv = KVCacheManager(
             config.cache,
             num_layers=arch.num_layers,
@@ -60,6 +69,7 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
             max_num_seqs=config.max_num_seqs,
+            num_blocks=num_blocks,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(
@@ -140,6 +150,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._rejected)
+
+    @property
+    def calibration_key(self) -> str:
+        """What a timing of this engine depends on (a stored calibration is reused only for the same)."""
+        mc = self.config.model
+        return f"{mc.name}|{mc.path}|{self.dtype}|{self.device}|{mc.attention_backend}|{mc.random_weights}"
+
+    def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
+        """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and
+        scheduler (sequence i computes its last query_lens[i] of seq_lens[i] tokens)."""
+        from engine.profiling import dummy_forward
+
+        return dummy_forward(self.model, query_lens, seq_lens, self.config.model.attention_backend)
 
     def num_free_blocks(self) -> int:
         return self.kv.pool.num_free
@@ -257,15 +280,15 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = req.params
-        all_ids = req.all_token_ids
-        new_text = self.detokenizer.step(self._detok[req.request_id], all_ids)
+        detok = self._detok[req.request_id]
+        new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            new_text += self.detokenizer.flush(self._detok[req.request_id], all_ids)
+            new_text += self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
         req.text += new_text
         if p.stop:
             cut = find_stop(req.text, len(new_text), p.stop)

@@ -57,7 +57,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""  # detokenised output (stop string cut off)

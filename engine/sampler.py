@@ -1,7 +1,8 @@
 """Token sampling, vectorised across the batch: greedy, temperature, top-k, top-p, min-p, seeds.
 
-Greedy rows take the argmax. Other rows are filtered in one sorted pass and sampled with the
-exponential-race trick (argmax of p / Exp(1) noise), which draws the noise per row, so a request
+Greedy rows take the argmax. Rows that use top-k, top-p or min-p are filtered in one sorted pass
+(their defaults, top_k=0, top_p=1, min_p=0, are exact no-ops and cost no sort); rows are sampled with
+the exponential-race trick (argmax of p / Exp(1) noise), which draws the noise per row, so a request
 with its own seed gets the same tokens whatever else is in the batch.
 """
 
@@ -39,22 +40,46 @@ class Sampler:
         return tokens.tolist()
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        _n, vocab = logits.shape
-        dev = logits.device
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)
+        """Sample rows with temperature > 0. Rows without top-k/top-p/min-p need no sort over the
+        vocabulary; only rows that filter pay for one."""
+        vocab = logits.shape[1]
+        temp = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        probs = (logits / temp[:, None]).softmax(dim=-1)
+        noise = self._noise(reqs, vocab).clamp_(min=torch.finfo(torch.float32).tiny)  # never 0/0
+        filtered = [i for i, r in enumerate(reqs) if _filters(r, vocab)]
+        if filtered:
+            rows = torch.tensor(filtered, device=logits.device)
+            kept = self._filter(logits[rows] / temp[rows, None], [reqs[i] for i in filtered])
+            probs[rows] = kept
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Probabilities after top-k, then top-p and min-p on the distribution renormalised over
+        what top-k kept (vLLM's and HF's order), in vocabulary order."""
+        _n, vocab = scaled.shape
+        dev = scaled.device
+        top_k = torch.tensor([_top_k(r, vocab) for r in reqs], device=dev)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
         min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
-
-        sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
-        # Filters apply in vLLM's and HF's order: top-k, then top-p and min-p on the distribution
-        # renormalised over what top-k kept.
         probs = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(dim=-1)
-        # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays).
+        # top_p = 1 must keep everything: in float32 the running sum reaches 1.0 before the tail of
+        # a large vocabulary, so the comparison alone would drop real tokens.
+        drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop |= probs < min_p[:, None] * probs[:, :1]
         probs = probs.masked_fill(drop, 0.0)
-        noise = self._noise(reqs, vocab).clamp_(min=torch.finfo(torch.float32).tiny)  # never 0/0
-        choice = (probs / noise).argmax(dim=-1)
-        return order.gather(1, choice[:, None]).squeeze(1)
+        return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def _top_k(req: Request, vocab: int) -> int:
+    k = req.params.top_k
+    return vocab if k <= 0 or k >= vocab else k
+
+
+def _filters(req: Request, vocab: int) -> bool:
+    """Whether any of top-k, top-p, min-p changes the distribution (their defaults are exact no-ops)."""
+    p = req.params
+    return _top_k(req, vocab) < vocab or p.top_p < 1.0 or p.min_p > 0.0

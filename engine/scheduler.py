@@ -70,7 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         ch = self.chunking
         out = SchedulerOutput()
-        budget = ch.token_budget if ch.token_budget is not None else float("inf")
+        budget = ch.step_budget(self.config.max_num_seqs, self.config.cache.max_model_len)
 
         # 1. Decodes, oldest first. A request that needs a block and finds none preempts the newest.
         decodes: list[Request] = []
@@ -99,8 +99,7 @@ class Scheduler:
         max_chunks = ch.max_chunks_per_step or float("inf")
         max_partial = ch.max_partial_prefills or float("inf")
 
-        def grant(req: Request) -> int:
-            remaining = req.num_tokens - req.num_computed_tokens
+        def grant(remaining: int) -> int:
             if not ch.enabled:
                 return remaining if remaining <= prefill_cap else 0
             return int(min(remaining, ch.size, prefill_cap))
@@ -109,7 +108,7 @@ class Scheduler:
         for req in self.running:
             if req.status is not RequestStatus.RUNNING or not req.is_prefilling:
                 continue
-            n = grant(req) if chunks < max_chunks else 0
+            n = grant(req.num_tokens - req.num_computed_tokens) if chunks < max_chunks else 0
             if n > 0:
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill=True))
                 prefill_cap -= n
@@ -117,23 +116,24 @@ class Scheduler:
             if req.num_computed_tokens + n < req.num_tokens:
                 partial_after += 1
 
+        # Admissions: every rule is checked on a plan before anything is taken, so a request that is
+        # refused (no room, no budget, too many partial prefills) leaves the pool and the prefix cache
+        # exactly as they were.
         while self.waiting and chunks < max_chunks and prefill_cap > 0:
             req = self.waiting[0]
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            cached_before = req.num_computed_tokens
-            if not self.kv.allocate_for_admission(req):
+            plan = self.kv.plan_admission(req)
+            if plan is None:
                 break
-            n = grant(req)
-            if n == 0:  # e.g. unchunked prompt larger than what is left of the budget
-                self.kv.free(req)
-                req.num_computed_tokens = cached_before
+            n = grant(req.num_tokens - plan.num_cached_tokens)
+            if n == 0:  # e.g. an unchunked prompt larger than what is left of the budget
                 break
-            if req.num_computed_tokens + n < req.num_tokens:
-                if partial_after >= max_partial:
-                    self.kv.free(req)
-                    break
-                partial_after += 1
+            leaves_partial = plan.num_cached_tokens + n < req.num_tokens
+            if leaves_partial and partial_after >= max_partial:
+                break
+            self.kv.commit_admission(req, plan)
+            partial_after += leaves_partial
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

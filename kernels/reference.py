@@ -28,7 +28,8 @@ class _DecodePlan:
     rows: torch.Tensor  # [Bd] flattened row of each decode query
     rows_idx: torch.Tensor  # [Bd * Hkv * L] rows of the cache viewed as [slots * Hkv, D], head-major
     width: int  # L: keys gathered per sequence (the longest visible span, others masked)
-    mask: torch.Tensor  # [Bd, 1, 1, L] True where the key is visible
+    mask: torch.Tensor | None  # [Bd, 1, 1, L] True where the key is visible; None when all are
+    every_row: bool  # rows are 0..T-1 in order (an all-decode batch): no gather/scatter of q and out
 
 
 @dataclass(slots=True)
@@ -77,8 +78,14 @@ def _decode_plan(meta: AttentionMetadata, seqs: list[int], window: int | None, n
     safe = torch.where(visible, pos, torch.zeros_like(pos))
     blocks = torch.gather(meta.block_tables.to(torch.int64)[idx], 1, safe // meta.block_size)
     slots = blocks * meta.block_size + safe % meta.block_size
-    rows = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
-    return _DecodePlan(rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=visible[:, None, None, :])
+    row_list = [meta.query_start_loc_cpu[b] for b in seqs]
+    rows = torch.tensor(row_list, device=device)
+    # Once per forward, shared by every layer: an all-visible mask (equal spans) costs SDPA three ops.
+    mask = None if bool(visible.all()) else visible[:, None, None, :]
+    every_row = row_list == list(range(meta.num_tokens))
+    return _DecodePlan(
+        rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=mask, every_row=every_row
+    )
 
 
 def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Plan:
@@ -138,6 +145,16 @@ def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
+def _decode_attention(q, k_rows, v_rows, d: _DecodePlan, num_kv: int, scale, softcap) -> torch.Tensor:
+    """q [n, H, D] of the bucket's decodes -> [n, H, D]."""
+    n, num_heads, head_dim = q.shape
+    # GQA without copying KV: the `group` query heads sharing a KV head become its query rows.
+    qd = q.reshape(n, num_kv, num_heads // num_kv, head_dim)
+    kd = k_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
+    vd = v_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
+    return _sdpa(qd, kd, vd, d.mask, scale, softcap).reshape(n, num_heads, head_dim)
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,21 +171,17 @@ def reference_attention(
     key = ("reference_plan", sliding_window)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[-2]
-    group = num_heads // num_kv
     plan = meta.cache.get(key)
     if plan is None:
         plan = meta.cache[key] = _build_plan(meta, sliding_window, num_kv)
     k_rows = kv_cache[0].view(-1, head_dim)  # row = slot * Hkv + kv head
     v_rows = kv_cache[1].view(-1, head_dim)
+    if len(plan.decodes) == 1 and plan.decodes[0].every_row:
+        # The whole batch is one decode bucket: q is read and the output returned as they are.
+        return _decode_attention(q, k_rows, v_rows, plan.decodes[0], num_kv, scale, softcap)
     out = torch.empty_like(q)
     for d in plan.decodes:
-        n = d.rows.shape[0]
-        # GQA without copying KV: the `group` query heads sharing a KV head become its query rows.
-        qd = q[d.rows].view(n, num_kv, group, head_dim)
-        kd = k_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
-        vd = v_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
-        od = _sdpa(qd, kd, vd, d.mask, scale, softcap)
-        out[d.rows] = od.reshape(n, num_heads, head_dim)
+        out[d.rows] = _decode_attention(q[d.rows], k_rows, v_rows, d, num_kv, scale, softcap)
     for c in plan.chunks:
         q_len = c.end - c.start
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]

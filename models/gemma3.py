@@ -28,9 +28,13 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's post-normed MLP output, the residual stream before it), as LlamaDecoderLayer."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual

@@ -34,11 +34,23 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_weight(x, self.weight)
+
+    def with_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This norm with another weight broadcastable over x (q and k heads normed in one go)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (xf * (1.0 + weight.float())).to(x.dtype)
+        return weight * xf.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm's call, so a layer
+        passes its un-normed stream along instead of adding it back as a separate step (as vLLM does).
+        residual=None (the first layer) norms x alone."""
+        if residual is not None:
+            x = x + residual
+        return self(x), x
 
 
 def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
@@ -68,8 +80,9 @@ class RotaryEmbedding:
     """cos/sin tables by absolute position, built once per device and dtype, indexed by `positions`.
 
     The table covers max_position_embeddings (or the longest sequence seen, if longer) so it is built
-    once and never reallocated mid-run (CUDA graphs can hold on to it). Only half the head dim is stored:
-    the two halves of HF's cat(freqs, freqs) are equal.
+    once and never reallocated mid-run (CUDA graphs can hold on to it). The tables are full head dim:
+    cos = cat(cos, cos) as HF builds it, and sin = cat(-sin, sin), the sign of rotate_half folded in, so
+    applying RoPE is x * cos + roll(x, D/2) * sin: four ops instead of seven, each rounding as HF's do.
     """
 
     def __init__(self, params: dict, head_dim: int, max_positions: int):
@@ -86,50 +99,71 @@ class RotaryEmbedding:
             n = max(length, self.max_positions, 0 if table is None else 2 * table[0].shape[0])
             pos = torch.arange(n, device=device, dtype=torch.int64).float()
             freqs = torch.outer(pos, self.inv_freq.to(device))  # float32, as HF computes them
-            table = self._tables[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            table = self._tables[key] = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return table
 
     def __call__(
         self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim/2] for `positions` [T]; max_len bounds every position (host int)."""
+        """cos, signed sin [T, 1, head_dim] for `positions` [T]; max_len bounds every position (host int)."""
         cos, sin = self._table(max_len, positions.device, dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by the half-split (rotate_half) convention of HF checkpoints."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate x [T, H, D] by HF's rotate_half convention: x * cos + cat(-x2, x1) * sin, where
+    cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin, sin) (the signed table RotaryEmbedding returns)."""
+    # Not addcmul: it rounds once where HF rounds twice, and bf16 must stay bit-identical to HF.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+class PackedLinear(nn.Linear):
+    """One Linear whose output rows are several checkpoint projections stacked (q|k|v, gate|up): one
+    matmul instead of several. `shards` names them in order with their row counts; the loader copies
+    each checkpoint tensor into its rows (models/loader.py), so HF checkpoints load unchanged."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = dict(shards)
+
+    def shard_rows(self, name: str) -> slice:
+        start = 0
+        for shard, rows in self.shards.items():
+            if shard == name:
+                return slice(start, start + rows)
+            start += rows
+        raise KeyError(name)
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)), gate and up as one packed matmul."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Attention(nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, then the paged attention op."""
+    """Packed q/k/v projection, optional per-head q/k RMSNorm, RoPE, then the paged attention op."""
 
     def __init__(self, arch: ModelArch, layer: int, qk_norm: bool, norm_offset: bool = False):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         bias = arch.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = PackedLinear(
+            h, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
+        )
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
@@ -148,13 +182,23 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is None:
+            # q and k heads side by side: one RoPE over both.
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            # One norm over all q and k heads, each head scaled by its own projection's weight.
+            weight = torch.cat(
+                (
+                    self.q_norm.weight.expand(self.num_heads, -1),
+                    self.k_norm.weight.expand(self.num_kv_heads, -1),
+                )
+            )
+            qk = self.q_norm.with_weight(qk, weight)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attention(
             q,
             k,

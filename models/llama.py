@@ -24,9 +24,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer's norm adds them."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual

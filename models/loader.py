@@ -47,18 +47,16 @@ def resolve_model_dir(path: str) -> Path:
         cache = hf_cache_dir()
         try:
             return Path(snapshot_download(repo_id=path, local_files_only=True, cache_dir=cache))
-        except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError) as exc:
+        except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError):
             raise FileNotFoundError(
-                f"model.path={path!r} is not a local directory and this repo id is not in the local "
-                f"Hugging Face cache (looked in {cache}; set HF_HUB_CACHE/HF_HOME to use another one). "
-                f"ladle never downloads: fetch it first (`huggingface-cli download {path}`), or set "
-                f"model.path to a local model directory (config.json + *.safetensors), or set "
-                f"model.path=null with model.architecture to run with random weights. ({exc.__class__.__name__})"
+                f"model.path={path!r}: not a local directory, and not in the local Hugging Face cache "
+                f"({cache}; HF_HUB_CACHE or HF_HOME choose another). ladle never downloads: fetch it first "
+                f"(`huggingface-cli download {path}`) or set model.path to a local copy."
             ) from None
     raise FileNotFoundError(
-        f"model.path={path!r} does not exist. Set model.path to a local model directory or an HF repo "
-        f"id present in the local cache ({hf_cache_dir()}), or model.path=null with model.architecture "
-        f"for random weights."
+        f"model.path={path!r} does not exist (no such directory, and not an HF repo id of the form "
+        f"org/name to look up in the local cache {hf_cache_dir()}). Set model.path to a local model "
+        f"directory or to a repo id present in the local cache."
     )
 
 
@@ -93,32 +91,60 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device | str)
     return model.eval()
 
 
+def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | None]]:
+    """Checkpoint tensor name -> (model parameter, its rows or None for all of it).
+
+    The packed-modules mapping: a PackedLinear (`qkv_proj`, `gate_up_proj`) stands for several
+    checkpoint tensors (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`), each filling its rows.
+    """
+    from models.layers import PackedLinear
+
+    targets: dict[str, tuple[torch.Tensor, slice | None]] = {}
+    packed = {name: mod for name, mod in model.named_modules() if isinstance(mod, PackedLinear)}
+    for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
+        module_name, _, leaf = name.rpartition(".")
+        module = packed.get(module_name)
+        if module is None:
+            targets[name] = (param, None)
+            continue
+        parent = module_name.rpartition(".")[0]
+        for shard in module.shards:
+            targets[f"{parent}.{shard}.{leaf}"] = (param, module.shard_rows(shard))
+    return targets
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Copy every parameter from the safetensors files, checking names and shapes."""
-    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    """Copy every checkpoint tensor into its parameter (or packed rows), checking names and shapes."""
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                param = params.get(name)
-                if param is None:
+                target = targets.get(name)
+                if target is None:
                     if not (name == "lm_head.weight" and model.arch.tie_word_embeddings):
                         unexpected.append(name)
                     continue
+                param, rows = target
+                dest = param if rows is None else param[rows]
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(param.shape):
+                if shape != tuple(dest.shape):
                     raise ValueError(
                         f"tensor {name!r} in {file.name} has shape {list(shape)} but the model "
-                        f"({model.arch.architecture}) expects {list(param.shape)}: the checkpoint does "
+                        f"({model.arch.architecture}) expects {list(dest.shape)}: the checkpoint does "
                         f"not match its config.json"
                     )
-                param.copy_(f.get_tensor(name))
+                dest.copy_(f.get_tensor(name))
                 loaded.add(name)
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n in targets if n not in loaded]
     if missing:
-        shown = ", ".join(f"{n!r} (shape {list(params[n].shape)})" for n in missing[:5])
+        def shape_of(n: str) -> list[int]:
+            param, rows = targets[n]
+            return list((param if rows is None else param[rows]).shape)
+
+        shown = ", ".join(f"{n!r} (shape {shape_of(n)})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(
             f"checkpoint {files[0].parent} is missing tensor(s) {shown}{more} "
@@ -152,53 +178,79 @@ def init_random(model: CausalLM, seed: int) -> None:
 def load_model(
     path: str | None,
     architecture: dict[str, Any] | None,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     device: torch.device | str,
     seed: int = 0,
+    random_weights: bool = False,
 ) -> CausalLM:
-    """Build a supported causal LM with the weights of `path`, or random ones from `architecture`.
+    """Build a supported causal LM with the weights of `path`, or random ones when asked for.
 
-    path: an HF model directory or a repo id in the local HF cache; None for random weights.
-    architecture: config.json keys; used when path is None, cannot be found, or has no config.json.
-    The model's `arch` (ModelArch) carries the shapes and EOS ids the engine needs.
+    path: an HF model directory or a repo id in the local HF cache. A path that cannot be found, or
+      that has no weights, is an error (a typo must not turn into an hour of random outputs).
+    architecture: config.json keys, used when path is None or has no config.json.
+    random_weights: random weights even if `path` names weights (the shapes come from the path's
+      config.json when it has one, else from `architecture`). path=None always means random weights.
+    dtype: a torch dtype or a name; "auto" follows the checkpoint on CUDA (see resolve_dtype).
     """
     device = torch.device(device)
-    model_dir: Path | None = None
-    why_random = "model.path is null"
-    if path:
-        try:
-            model_dir = resolve_model_dir(str(path))
-        except FileNotFoundError as exc:
-            if architecture is None:
-                raise
-            why_random = str(exc)
+    model_dir, arch = resolve_architecture(path, architecture, random_weights)
+    model = build_model(arch, resolve_dtype(dtype, device, arch), device)
+    files = weight_files(model_dir) if model_dir is not None and not random_weights else []
+    if model_dir is not None and not random_weights and not files:
+        raise FileNotFoundError(
+            f"model.path={path!r}: {model_dir} has no *.safetensors weights; point model.path at a "
+            f"complete checkpoint, or set model.random_weights=true to run this architecture with "
+            f"random weights (for timings)"
+        )
+    if files:
+        load_weights(model, files)
+        return model
+    why = "model.path is null" if path is None else "model.random_weights=true"
+    warnings.warn(
+        f"model weights are RANDOM ({arch.architecture}, {_count(arch.num_parameters())} parameters, "
+        f"seed {seed}): {why}. Outputs are meaningless; timings are real.",
+        RandomWeightsWarning,
+        stacklevel=2,
+    )
+    init_random(model, seed)
+    return model
+
+
+def resolve_architecture(
+    path: str | None, architecture: dict[str, Any] | None, random_weights: bool = False
+) -> tuple[Path | None, ModelArch]:
+    """The model directory (None for random weights) and its architecture, reading only config files:
+    what an engine needs to plan its memory before any weight is loaded."""
+    model_dir = _find_model_dir(path, architecture, random_weights)
     config = _read_json(model_dir / "config.json") if model_dir else None
     generation_config = _read_json(model_dir / "generation_config.json") if model_dir else None
     if config is None:
         if architecture is None:
             raise FileNotFoundError(
-                f"{model_dir} has no config.json; point model.path at an HF model directory or give "
-                f"model.architecture (config.json keys)"
+                f"model.path={path!r}: {model_dir} has no config.json; point model.path at an HF model "
+                f"directory (config.json + *.safetensors) or give model.architecture (config.json keys)"
             )
         config = dict(architecture)
-        if model_dir is not None:
-            why_random = f"{model_dir} has no config.json"
-    arch = arch_from_config(config, generation_config)
-    model = build_model(arch, dtype, device)
-    files = weight_files(model_dir) if model_dir and (model_dir / "config.json").is_file() else []
-    if files:
-        load_weights(model, files)
-    else:
-        if model_dir is not None and (model_dir / "config.json").is_file():
-            why_random = f"{model_dir} has config.json but no *.safetensors weights"
-        warnings.warn(
-            f"model weights are RANDOM ({arch.architecture}, {arch.num_parameters() / 1e9:.2f}B parameters, "
-            f"seed {seed}): {why_random}. Outputs are meaningless; timings are real.",
-            RandomWeightsWarning,
-            stacklevel=2,
-        )
-        init_random(model, seed)
-    return model
+    return model_dir, arch_from_config(config, generation_config)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _find_model_dir(path: str | None, architecture: dict[str, Any] | None, random_weights: bool) -> Path | None:
+    """The model directory, None for random weights; a path that cannot be found is an error unless
+    random weights were asked for and the architecture is known without it."""
+    if not path:
+        return None
+    try:
+        return resolve_model_dir(str(path))
+    except FileNotFoundError as exc:
+        if random_weights and architecture is not None:
+            return None
+        hint = (" To run its architecture with random weights instead (for timings): model.random_weights=true."
+                if architecture is not None else "")
+        raise FileNotFoundError(f"{exc}{hint}") from None
 
 
 def resolve_dtype(

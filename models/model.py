@@ -1,7 +1,8 @@
 """The causal LM every family shares: embeddings, decoder layers, final norm, LM head.
 
-Module names mirror transformers' (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`,
-`model.norm`, `lm_head`) so a checkpoint's state dict loads with no renaming.
+Module names mirror transformers' (`model.embed_tokens`, `model.layers.N.self_attn.o_proj`,
+`model.norm`, `lm_head`); q/k/v and gate/up are packed into `qkv_proj` and `gate_up_proj`, which the
+loader fills from the checkpoint's separate tensors (models/loader.py, checkpoint_targets).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self._embed_scale, dtype=x.dtype).item()
         max_len = max(meta.max_seq_len, 1)
         ropes = {t: rope(positions, max_len, x.dtype) for t, rope in self.rope.items()}
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, ropes[self._layer_types[i]], kv_caches[i], meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, ropes[self._layer_types[i]], kv_caches[i], meta)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that sample; float32 out (softcapped for Gemma when configured)."""

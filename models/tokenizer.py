@@ -7,6 +7,7 @@ model uses, and the stand-in for random-weight models whose tokenizer files are 
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -25,7 +26,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -35,19 +36,22 @@ class ByteTokenizer:
     SPECIALS: ClassVar[dict[int, str]] = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
     NUM_TOKENS = 259
 
-    def __init__(self, vocab_size: int = NUM_TOKENS):
+    def __init__(self, vocab_size: int = NUM_TOKENS, specials: bool = True):
+        """specials=False: a stand-in for a real model's missing tokenizer. Ids 256-258 are then that
+        model's ordinary tokens, so they are not used as <bos> (never added) nor <eos> (never stop)."""
         if vocab_size < self.NUM_TOKENS:
             raise ValueError(
                 f"the byte tokenizer needs a vocabulary of at least {self.NUM_TOKENS} tokens, the model has {vocab_size}"
             )
         self.vocab_size = vocab_size  # the model's; ids >= 259 exist but mean nothing here
-        self.eos_token_ids = [self.EOS]
-        self.bos_token_id = self.BOS
-        self.pad_token_id = self.PAD
+        self.specials = specials
+        self.eos_token_ids = [self.EOS] if specials else []
+        self.bos_token_id = self.BOS if specials else None
+        self.pad_token_id = self.PAD if specials else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.BOS, *ids] if add_special_tokens else ids
+        return [self.BOS, *ids] if add_special_tokens and self.specials else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         parts: list[str] = []
@@ -60,7 +64,7 @@ class ByteTokenizer:
             if run:
                 parts.append(run.decode("utf-8", errors="replace"))
                 run.clear()
-            if i in self.SPECIALS:
+            if i in self.SPECIALS and self.specials:
                 if not skip_special_tokens:
                     parts.append(self.SPECIALS[i])
             else:
@@ -69,8 +73,9 @@ class ByteTokenizer:
             parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' for the reply."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' for the reply (no template
+        variables: template_kwargs are accepted and have nothing to change)."""
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
@@ -93,7 +98,27 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @functools.cached_property
+    def cleans_up_spaces(self) -> bool:
+        """Whether decode() rewrites spaces after decoding (" ." -> "."), as Llama 3's tokenizer does.
+
+        Observed, not read from the flag: transformers decides per tokenizer type and version whether
+        `clean_up_tokenization_spaces` is honoured (5.x ignores it for BPE models)."""
+        if not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return False
+        probe = self.encode("a . b , c ! d ? e n't f 's g 'm h 've i 're j ' k ' l", add_special_tokens=False)
+        return self.decode(probe) != self.decode_raw(probe)
+
+    def decode_raw(self, ids: list[int]) -> str:
+        """decode() without the clean-up of spaces: what incremental detokenisation windows need."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def clean_up(self, text: str) -> str:
+        """The tokenizer's own clean-up: decode(ids) == clean_up(decode_raw(ids))."""
+        return self.tokenizer.clean_up_tokenization(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """template_kwargs become variables of the Jinja template (e.g. enable_thinking=False)."""
         if self.tokenizer.chat_template is None:
             if not self._warned_template:
                 warnings.warn("the tokenizer has no chat template; using 'role: content' lines", stacklevel=2)
@@ -101,7 +126,7 @@ class HFTokenizer:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self.encode(text)
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
         )
         return [int(i) for i in ids]
 
@@ -154,4 +179,5 @@ def load_tokenizer(path: str | None, vocab_size: int, tokenizer: str | None = No
             f"with {vocab_size} tokens; prompts and outputs are bytes, not the model's real tokens",
             stacklevel=2,
         )
-    return ByteTokenizer(vocab_size)
+    # A stand-in: its <bos>/<eos> ids are ordinary tokens of this model (EOS comes from its config).
+    return ByteTokenizer(vocab_size, specials=False)

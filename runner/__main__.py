@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.config import CONF_DIR, ConfigError, register_configs
@@ -31,23 +32,31 @@ if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken insta
              "install ladle from its repository with `pip install -e .`")
 
 
+CONFIG_ERROR_EXIT = 2  # a config (or data path) the user must fix; 130 = interrupted; 1 = a crash
+_task_started = False  # Hydra exits 1 on its own config errors: before any task ran, that means config
+
+
 def _sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # finalise the outputs as Ctrl-C does
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     from runner.job import run_job
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
-        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)})
+        shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
+        if hc.mode == RunMode.MULTIRUN:
+            shared = Path(hc.sweep.dir) / "calibration.json"
+        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
     except ConfigError as e:
-        log.error("%s", e)
-        print(f"ladle: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
+        sys.exit(CONFIG_ERROR_EXIT)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.interrupted:
@@ -55,7 +64,14 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _main()
+    try:
+        _main()
+    except SystemExit as e:
+        # Hydra prints its own composition errors (unknown key or group option, bad override syntax)
+        # once and exits 1; those are config errors too, so they exit like ladle's own.
+        if e.code == 1 and not _task_started:
+            sys.exit(CONFIG_ERROR_EXIT)
+        raise
 
 
 if __name__ == "__main__":

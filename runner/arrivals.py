@@ -18,8 +18,10 @@ class ArrivalError(ValueError):
 class Arrivals:
     """Stateful generator: `next(trace_value)` returns the arrival of the next row."""
 
-    def __init__(self, cfg: ArrivalConfig) -> None:
+    def __init__(self, cfg: ArrivalConfig, rate: float | None = None) -> None:
+        """rate: requests per second when the config gives a `load` instead (resolved by calibration)."""
         self.cfg = cfg
+        self.rate = cfg.rate if rate is None else rate
         self._rng = np.random.default_rng(cfg.seed)
         self._t = 0.0
         self._scale = 1e-3 if cfg.unit == "ms" else 1.0
@@ -27,11 +29,11 @@ class Arrivals:
     def gap(self) -> float:
         c = self.cfg
         if c.process == "poisson":
-            return float(self._rng.exponential(1.0 / c.rate))
+            return float(self._rng.exponential(1.0 / self.rate))
         if c.process == "gamma":
             # Gamma inter-arrival times with shape k = burstiness and mean 1/rate (vLLM's benchmark shape).
             k = c.burstiness
-            return float(self._rng.gamma(k, 1.0 / (c.rate * k)))
+            return float(self._rng.gamma(k, 1.0 / (self.rate * k)))
         return 0.0
 
     def next(self, trace_value: object = None) -> float:
@@ -51,7 +53,49 @@ class Arrivals:
         return c.start + self._t
 
 
-def arrival_times(cfg: ArrivalConfig, n: int) -> np.ndarray:
+def arrival_times(cfg: ArrivalConfig, n: int, rate: float | None = None) -> np.ndarray:
     """`n` arrivals of a generated process (offline, poisson, gamma) at once."""
-    a = Arrivals(cfg)
+    a = Arrivals(cfg, rate)
     return np.array([a.next() for _ in range(n)], dtype=np.float64)
+
+
+class ArrivalStreams:
+    """One arrival process per request class (workload.class_arrivals), the workload's own for the
+    other rows. A process given as a `load` is drawn at the rate the calibration gives for the mean
+    prompt length of its rows in the first batch read that has any."""
+
+    def __init__(self, default: ArrivalConfig, by_class: dict[str, ArrivalConfig], calibration=None) -> None:
+        self.default, self.by_class, self.calibration = default, dict(by_class), calibration
+        self._streams: dict[str | None, Arrivals] = {}
+        self.rates: dict[str, float] = {}  # stream ("workload" or the class) -> resolved rate
+
+    def key(self, klass: str | None) -> str | None:
+        return klass if klass is not None and klass in self.by_class else None
+
+    def config(self, key: str | None) -> ArrivalConfig:
+        return self.default if key is None else self.by_class[key]
+
+    def unresolved(self) -> set[str | None]:
+        """Streams that still need prompt lengths to get their rate."""
+        keys = [None, *self.by_class]
+        return {k for k in keys if k not in self._streams and self.config(k).load is not None}
+
+    def resolve(self, lengths: dict[str | None, list[int]]) -> None:
+        for key in self.unresolved():
+            seen = lengths.get(key)
+            if seen:
+                if self.calibration is None:
+                    raise ValueError("an arrival `load` needs a calibration of the engine")
+                rate = self.calibration.rate(self.config(key).load, sum(seen) / len(seen))
+                self.rates["workload" if key is None else key] = rate
+                self._streams[key] = Arrivals(self.config(key), rate)
+
+    def next(self, klass: str | None, trace_value: object = None) -> float:
+        key = self.key(klass)
+        stream = self._streams.get(key)
+        if stream is None:
+            cfg = self.config(key)
+            if cfg.load is not None:  # no length seen yet for this stream: cannot happen after resolve()
+                raise ArrivalError(f"arrival rate for {key or 'the workload'} is not resolved")
+            stream = self._streams[key] = Arrivals(cfg)
+        return stream.next(trace_value)

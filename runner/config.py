@@ -37,6 +37,9 @@ class ConfigError(ValueError):
 class ArrivalConfig:
     process: str = "offline"  # offline (all at start) | poisson | gamma | trace
     rate: float = 1.0  # poisson, gamma: mean requests per second
+    # poisson, gamma: instead of `rate`, arrive so that these requests' prefill work would fill this
+    # fraction of the engine's time, measured by a calibration of the model at hand (runner/calibration.py)
+    load: float | None = None
     burstiness: float = 1.0  # gamma shape: 1 = poisson, < 1 burstier, > 1 more regular
     column: str = "arrival"  # trace: the column holding each request's arrival time
     unit: str = "s"  # trace: s | ms
@@ -78,7 +81,10 @@ class WorkloadConfig:
     prompt_column: str = "prompt"
     prompt_format: str = "auto"  # auto (by value: str | list of {role, content} | list of ints) | text | chat | tokens
     chat_template: bool = False  # wrap text prompts as one user message and apply the tokenizer's chat template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables, e.g. enable_thinking
     id_column: str | None = None  # null = the row index
+    class_column: str | None = None  # a column naming each row's request class (plots, per-class arrivals)
+    class_arrivals: dict[str, ArrivalConfig] = field(default_factory=dict)  # class value -> its own arrivals
     max_tokens_column: str | None = None  # per-row max_tokens (null values fall back to sampling.max_tokens)
     limit: int | None = None  # read at most this many rows
     batch_size: int = 256  # rows per record batch read from the source
@@ -122,6 +128,7 @@ class JobConfig:
     max_pending: int | None = None  # most requests read but unfinished (null = 4 x max_num_seqs)
     seed: int = 0  # engine sampling seed (requests without their own)
     clock: str = "virtual"  # virtual (replay: idle gaps are skipped, latencies are compute time) | wall
+    threads: int | None = None  # torch CPU threads; null = the free cores (runner/threads.py)
 
 
 def _data_path(name: str) -> str:
@@ -183,6 +190,27 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: use one of {', '.join(allowed)}")
 
 
+def _check_arrivals(key: str, a: ArrivalConfig) -> None:
+    if a.process in ("poisson", "gamma") and a.load is None and not a.rate > 0:
+        raise ConfigError(f"{key}.rate={a.rate} must be > 0 (requests per second)")
+    if a.process == "gamma" and not a.burstiness > 0:
+        raise ConfigError(f"{key}.burstiness={a.burstiness} must be > 0")
+    if a.load is not None:
+        if a.process not in ("poisson", "gamma"):
+            raise ConfigError(f"{key}.load={a.load} needs {key}.process=poisson or gamma (it sets their rate)")
+        if not 0 < a.load:
+            raise ConfigError(f"{key}.load={a.load} must be > 0 (the fraction of engine time prefills fill, "
+                              "e.g. 0.7)")
+
+
+def uses_load(w: WorkloadConfig) -> bool:
+    """Whether any arrival process of the workload takes its rate from a calibration."""
+    procs = [w.arrivals, *w.class_arrivals.values()]
+    if w.kind == "synthetic":
+        procs += [g.arrival for g in w.synthetic.groups if g.arrival is not None]
+    return any(a.load is not None for a in procs)
+
+
 def check(job: JobConfig) -> None:
     """Every runner value that types alone do not catch, plus the engine's own validate()."""
     w = job.workload
@@ -193,10 +221,12 @@ def check(job: JobConfig) -> None:
     _one_of("clock", job.clock, CLOCKS)
     if w.kind != "synthetic" and not w.path:
         raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
-    if w.arrivals.process in ("poisson", "gamma") and not w.arrivals.rate > 0:
-        raise ConfigError(f"workload.arrivals.rate={w.arrivals.rate} must be > 0 (requests per second)")
-    if w.arrivals.process == "gamma" and not w.arrivals.burstiness > 0:
-        raise ConfigError(f"workload.arrivals.burstiness={w.arrivals.burstiness} must be > 0")
+    _check_arrivals("workload.arrivals", w.arrivals)
+    if w.class_arrivals and not w.class_column:
+        raise ConfigError("workload.class_arrivals needs workload.class_column (the column naming each row's class)")
+    for name, a in w.class_arrivals.items():
+        _one_of(f"workload.class_arrivals.{name}.process", a.process, ("offline", "poisson", "gamma"))
+        _check_arrivals(f"workload.class_arrivals.{name}", a)
     if w.limit is not None and w.limit < 0:
         raise ConfigError(f"workload.limit={w.limit} must be >= 0 or null")
     if w.batch_size < 1:
@@ -212,8 +242,11 @@ def check(job: JobConfig) -> None:
                 raise ConfigError(f"{key}: shared_prefix_len and the sigmas must be >= 0")
             if g.arrival is not None:
                 _one_of(f"{key}.arrival.process", g.arrival.process, ("offline", "poisson", "gamma"))
+                _check_arrivals(f"{key}.arrival", g.arrival)
     if job.output.row_group_size < 1 or job.output.steps_row_group_size < 1:
         raise ConfigError("output.row_group_size and output.steps_row_group_size must be >= 1")
+    if job.threads is not None and job.threads < 1:
+        raise ConfigError(f"threads={job.threads} must be >= 1 or null (null = the free cores)")
     if job.max_pending is not None and job.max_pending < job.max_num_seqs:
         raise ConfigError(f"max_pending={job.max_pending} must be >= max_num_seqs ({job.max_num_seqs}) or null")
     problems = job.sampling.problems()

@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -29,8 +30,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from engine.sampling_params import SamplingParams
-from runner.arrivals import ArrivalError, Arrivals
-from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config
+from runner.arrivals import ArrivalError, ArrivalStreams
+from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config, uses_load
 from runner.report import format_table, summarize, write_summary
 from runner.sinks import (
     CONFIG_KEY,
@@ -77,7 +78,7 @@ def make_engine(job: JobConfig) -> Any:
     clock = VirtualClock() if job.clock == "virtual" else WallClock()
     try:
         return LLMEngine(engine_config(job), clock=clock)
-    except ValueError as e:  # the engine's config checks (e.g. max_model_len beyond the model's)
+    except (ValueError, FileNotFoundError) as e:  # config checks, a model.path that is not there
         raise ConfigError(str(e)) from e
 
 
@@ -113,7 +114,8 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 class Job:
     def __init__(self, cfg: DictConfig, out_dir: str | Path, engine: Any = None,
-                 extra: dict[str, Any] | None = None, source: Source | None = None) -> None:
+                 extra: dict[str, Any] | None = None, calibration_path: Path | None = None,
+                 source: Source | None = None) -> None:
         self.cfg = cfg
         self._source = source  # set by executors that give this job a share of the rows
         self.job = to_job_config(cfg)
@@ -121,6 +123,7 @@ class Job:
         self.out_dir = Path(out_dir)
         self.engine = engine
         self.extra = dict(extra or {})
+        self.calibration_path = calibration_path  # a sweep's runs share one arrival calibration
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     # ------------------------------------------------------------------------------------------------
@@ -141,13 +144,22 @@ class Job:
         if done:
             log.info("resuming into %s: %d requests already done, attempt %d", out, len(done), attempt)
 
+        threads = None
         if self.engine is None:
-            log.info("loading model %s", job.model.name)
+            from runner.threads import apply_threads
+
+            threads = apply_threads(job.threads)
+            log.info("loading model %s (CPU threads: %d)", job.model.name, threads["threads"])
             self.engine = make_engine(job)
         eng = self.engine
         source.vocab_size = vocab_size(eng)
 
         loop = _Loop(self, eng, source, done, attempt)
+        if uses_load(job.workload):  # arrival rates relative to this machine: time the model first
+            from runner.calibration import shared_calibration
+
+            loop.calibration = shared_calibration(eng, self.calibration_path)
+            source.calibration = loop.calibration
         meta = {CONFIG_KEY: self.config_yaml.encode()}
         gen = ParquetSink(gen_path, generations_schema(job.output.include_prompt), job.output.row_group_size, meta)
         try:
@@ -157,6 +169,7 @@ class Job:
             raise
         self.gen, self.steps = gen, steps
         interrupted = copied = False
+        rows_before = 0
         wall0 = time.perf_counter()
         try:
             for t in previous_batches(gen_path, True, job.output.retry_errors):
@@ -164,11 +177,10 @@ class Job:
             for t in previous_batches(steps_path, False):
                 steps.write_table(t)
             copied = True
+            rows_before = gen.rows_written
             loop.run()
         except KeyboardInterrupt:
             interrupted = True
-            log.warning("interrupted: %d requests in %s; run again into %s to resume", gen.rows_written,
-                        gen_path.name, out)
         finally:
             loop.close()
             for sink in (gen, steps):
@@ -177,14 +189,23 @@ class Job:
                 else:  # until the previous rows are copied, the old files are the only complete ones
                     sink.abort()
 
+        resume = resume_command(out, self.extra.get("overrides", []))
+        if interrupted:  # the counts are read after the sinks closed: every buffered row is on disk now
+            log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
+                        gen.rows_written - rows_before if copied else 0, gen.rows_written if copied else 0,
+                        gen_path, resume)
         extra = {
             "model": job.model.name,
             "workload": job.workload.name,
             "clock": job.clock,
             "max_model_len": getattr(eng, "max_model_len", None),
             "kv_blocks_total": _call(eng, "num_total_blocks"),
+            "memory_plan_gib": _memory_plan(eng),
+            "cpu_threads": threads,
+            "arrival_calibration": _calibration(loop, source),
             "resumed": loop.resumed,
             "complete": not interrupted,
+            "resume_command": None if not interrupted else resume,
             "wall_time_s": time.perf_counter() - wall0,
             "run_dir": str(out.resolve()),
             "config": {"max_num_seqs": job.max_num_seqs, "cache": dataclasses.asdict(job.cache),
@@ -238,6 +259,29 @@ class Job:
         return made
 
 
+def resume_command(out_dir: Path, overrides: list[str]) -> str:
+    """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
+    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
+
+
+def _calibration(loop: _Loop, source: Source) -> dict[str, Any] | None:
+    """The calibration and the rates the `load` arrival processes resolved to (requests per second)."""
+    if loop.calibration is None:
+        return None
+    rates = {**(loop.streams.rates if loop.streams else {}), **getattr(source, "rates", {})}
+    return {**loop.calibration.as_dict(), "rates_per_s": rates}
+
+
+def _memory_plan(eng: Any) -> dict[str, float] | None:
+    plan = getattr(eng, "memory_plan", None)
+    if plan is None:
+        return None
+    gib = 2**30
+    return {"weights": plan.weights_bytes / gib, "kv_cache": plan.kv_bytes / gib,
+            "largest_step": plan.activation_bytes / gib, "available": plan.available_bytes / gib}
+
+
 def _call(obj: Any, name: str) -> Any:
     f = getattr(obj, name, None)
     return f() if callable(f) else None
@@ -249,6 +293,8 @@ class _Loop:
     def __init__(self, job: Job, eng: Any, source: Source, done: set[str], attempt: int) -> None:
         self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
         self.cfg = job.job
+        self.calibration: Any = None  # runner.calibration.Calibration when an arrival process has a `load`
+        self.streams: ArrivalStreams | None = None
         self.clock = eng.clock
         self.t0 = self.clock.now()  # reset when the loop starts
         self.max_pending = self.cfg.max_pending or 4 * self.cfg.max_num_seqs
@@ -284,14 +330,29 @@ class _Loop:
         base = self.cfg.sampling
         if w.ignore_eos is not None:
             base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
-        arrivals = Arrivals(w.arrivals)
+        streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, self.calibration)
+        self.streams = streams
         tok = self.eng.tokenizer
         seen: set[str] | None = set() if w.id_column else None
+
+        def encode(row: Row) -> Any:
+            return encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
+                                 w.chat_template_kwargs)
+
         for batch in self.source.batches():
+            # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
+            encoded = {row.index: encode(row) for row in batch if row.id not in self.done or streams.unresolved()}
+            if streams.unresolved():
+                lengths: dict[str | None, list[int]] = {}
+                for row in batch:
+                    enc = encoded[row.index]
+                    if enc.token_ids and not enc.error:
+                        lengths.setdefault(streams.key(row.klass), []).append(len(enc.token_ids))
+                streams.resolve(lengths)
             for row in batch:
                 error = row.error
                 try:
-                    arrival = arrivals.next(row.arrival)
+                    arrival = streams.next(row.klass, row.arrival)
                 except ArrivalError as e:
                     arrival, error = math.nan, error or str(e)
                 if row.id in self.done:
@@ -301,7 +362,7 @@ class _Loop:
                     if row.id in seen:
                         error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
                     seen.add(row.id)
-                enc = encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column)
+                enc = encoded[row.index]
                 error = error or enc.error
                 max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
                 error = error or mt_error
@@ -401,7 +462,7 @@ class _Loop:
         })
 
     def _write_row(self, p: Pending, values: dict[str, Any]) -> None:
-        row = {"id": p.row.id, "index": p.row.index, "attempt": self.attempt, **values}
+        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt, **values}
         if self.cfg.output.include_prompt:
             row["prompt"] = p.text
         self.job.gen.write(row)
@@ -415,7 +476,7 @@ class _Loop:
 
 
 def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
-            extra: dict[str, Any] | None = None) -> RunResult:
+            extra: dict[str, Any] | None = None, calibration_path: Path | None = None) -> RunResult:
     """Run the job described by a composed config into `out_dir` (see `Job`); executor=ray runs it on
     data-parallel replicas (runner/executors/ray_executor.py)."""
     if cfg.get("executor") is not None and cfg.executor.get("kind") == "ray":
@@ -423,4 +484,4 @@ def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
         from runner.executors.ray_executor import run_ray
 
         return run_ray(cfg, out_dir, extra)
-    return Job(cfg, out_dir, engine=engine, extra=extra).run()
+    return Job(cfg, out_dir, engine=engine, extra=extra, calibration_path=calibration_path).run()

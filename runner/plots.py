@@ -1,8 +1,8 @@
 """PNG plots of a run (matplotlib, Agg backend: no display needed).
 
-- schedule.png: per engine step, prefill and decode tokens (stacked), step duration, and the running /
-  waiting requests with KV blocks in use: what the chunking policy did.
-- latency.png: the ITL distribution (with p50 / p99) and the CDFs of TTFT and E2E latency.
+- schedule.png: per engine step, prefill tokens and decode tokens (separate panels and scales), step
+  duration, and the running / waiting requests with KV blocks in use: what the chunking policy did.
+- latency.png: the ITL CDF per request class (p50 / p99 marked) and the TTFT CDF per class.
 """
 
 from __future__ import annotations
@@ -22,71 +22,93 @@ import pyarrow.parquet as pq
 from runner.report import itl_gaps
 
 
+def _legend_outside(ax, handles=None, labels=None) -> None:
+    """The legend to the right of the axes, never over the data."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
+
+
 def plot_schedule(steps_path: Path, out: Path, title: str = "") -> Path:
+    """Four panels sharing the step axis: prefill tokens, decode tokens (each on its own scale, so a
+    few decode tokens stay visible beside a prefill spike), step duration, requests and KV use."""
     t = pq.read_table(steps_path, columns=["decode_tokens", "prefill_tokens", "duration_s", "running",
                                            "waiting", "kv_blocks_used"])
     x = np.arange(t.num_rows)
     dec = t.column("decode_tokens").to_numpy(zero_copy_only=False).astype(float)
     pre = t.column("prefill_tokens").to_numpy(zero_copy_only=False).astype(float)
     dur = t.column("duration_s").to_numpy(zero_copy_only=False) * 1e3
-    fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, constrained_layout=True)
-    ax = axes[0]
-    ax.fill_between(x, 0, dec, step="post", color="tab:blue", alpha=0.8, label="decode tokens", linewidth=0)
-    ax.fill_between(x, dec, dec + pre, step="post", color="tab:orange", alpha=0.8, label="prefill tokens",
-                    linewidth=0)
-    ax.set_ylabel("tokens / step")
-    ax.legend(loc="upper right")
-    ax.set_title(title or "schedule")
-    axes[1].step(x, dur, where="post", color="tab:red", linewidth=0.8)
-    axes[1].set_ylabel("step duration (ms)")
-    ax = axes[2]
+    fig, axes = plt.subplots(4, 1, figsize=(11, 9), sharex=True, constrained_layout=True,
+                             gridspec_kw={"height_ratios": [1.2, 1, 1, 1]})
+    axes[0].set_title(title or "schedule")
+    for ax, v, color, label in ((axes[0], pre, "tab:orange", "prefill tokens"),
+                                (axes[1], dec, "tab:blue", "decode tokens")):
+        ax.fill_between(x, 0, v, step="post", color=color, alpha=0.85, linewidth=0, label=label)
+        ax.set_ylabel(label.replace(" tokens", "\ntokens / step"))
+        ax.set_ylim(0, max(1.0, float(v.max(initial=0))) * 1.1)
+        _legend_outside(ax)
+    axes[2].step(x, dur, where="post", color="tab:red", linewidth=0.8, label="step duration")
+    axes[2].set_ylabel("step (ms)")
+    _legend_outside(axes[2])
+    ax = axes[3]
     ax.step(x, t.column("running").to_numpy(zero_copy_only=False), where="post", label="running")
     ax.step(x, t.column("waiting").to_numpy(zero_copy_only=False), where="post", label="waiting")
     ax.set_ylabel("requests")
     ax.set_xlabel("engine step")
     ax2 = ax.twinx()
     ax2.step(x, t.column("kv_blocks_used").to_numpy(zero_copy_only=False), where="post", color="tab:gray",
-             linestyle=":", label="KV blocks used")
+             linestyle=":", label="KV blocks used (right)")
     ax2.set_ylabel("KV blocks")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax2.legend(h1 + h2, l1 + l2, loc="upper left", bbox_to_anchor=(1.08, 1.0), borderaxespad=0, fontsize=8)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 
 
+def _cdf(ax, values: np.ndarray, label: str, color: str | None = None, mark: bool = False) -> None:
+    v = np.sort(values[np.isfinite(values)])
+    if not v.size:
+        return
+    line = ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{label} (n={v.size})", color=color)
+    if mark:
+        for q, marker in ((50, "o"), (99, "v")):
+            p = float(np.percentile(v, q))
+            ax.plot([p], [q / 100], marker=marker, color=line[0].get_color(), markersize=6,
+                    label=f"{label} p{q} {p:.1f} ms")
+
+
 def plot_latency(gen_path: Path, out: Path, title: str = "") -> Path:
-    t = pq.read_table(gen_path, columns=["finish_reason", "ttft_s", "e2e_s", "token_times_s"])
+    """ITL CDF per request class (the `class` column: decode streams vs long prompts) with P50 / P99
+    marked, and the CDFs of TTFT per class."""
+    cols = ["finish_reason", "ttft_s", "token_times_s"]
+    schema = pq.read_schema(gen_path)
+    has_class = "class" in schema.names
+    t = pq.read_table(gen_path, columns=cols + (["class"] if has_class else []))
     t = t.filter(pc.fill_null(pc.not_equal(t.column("finish_reason"), "error"), True))
-    itl = itl_gaps(t.column("token_times_s")) * 1e3 if t.num_rows else np.zeros(0)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    ax = axes[0]
-    if itl.size:
-        lo, hi = float(itl.min()), float(itl.max())
-        if hi - lo < 1e-6 * max(hi, 1e-9):  # (nearly) constant gaps: one visible bar
-            lo, hi = lo * 0.95, hi * 1.05 + 1e-9
-        ax.hist(itl, bins=min(60, max(10, int(np.sqrt(itl.size)))), range=(lo, hi), color="tab:blue", alpha=0.85)
-        for q, style in ((50, "--"), (99, ":")):
-            v = float(np.percentile(itl, q))
-            ax.axvline(v, color="black", linestyle=style, label=f"p{q} {v:.2f} ms")
-        ax.legend()
-    else:
-        ax.text(0.5, 0.5, "no inter-token gaps", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("inter-token latency (ms)")
-    ax.set_ylabel("tokens")
-    ax.set_title(f"ITL distribution{' - ' + title if title else ''}")
-    ax = axes[1]
-    for name, color in (("ttft_s", "tab:orange"), ("e2e_s", "tab:green")):
-        v = pc.fill_null(t.column(name).cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False) * 1e3
-        v = np.sort(v[np.isfinite(v)])
-        if v.size:
-            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=color, label=name[:-2].upper())
-    ax.set_xlabel("latency (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT and E2E (CDF)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    classes = [None]
+    if has_class and t.num_rows:
+        found = sorted({c for c in t.column("class").to_pylist() if c is not None})
+        classes = found if 1 < len(found) <= 8 else [None]  # too many classes: one curve for all
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for klass in classes:
+        part = t if klass is None else t.filter(pc.equal(t.column("class"), klass))
+        name = "all" if klass is None else klass
+        itl = itl_gaps(part.column("token_times_s")) * 1e3 if part.num_rows else np.zeros(0)
+        _cdf(axes[0], itl, name, mark=True)
+        ttft = pc.fill_null(part.column("ttft_s").cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False) * 1e3
+        _cdf(axes[1], ttft, name)
+    for ax, what in ((axes[0], "inter-token latency"), (axes[1], "time to first token")):
+        ax.set_xlabel(f"{what} (ms)")
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            _legend_outside(ax)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    axes[0].set_title(f"ITL CDF by request class{' - ' + title if title else ''}", fontsize=10)
+    axes[1].set_title("TTFT CDF by request class", fontsize=10)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

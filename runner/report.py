@@ -129,7 +129,11 @@ def summarize(gen_path: Path, steps_path: Path | None, extra: dict[str, Any] | N
         "preempted_requests": preempted_requests,
     }
     if steps_path is not None and Path(steps_path).exists():
-        summary["steps"] = _steps_summary(Path(steps_path))
+        st = summary["steps"] = _steps_summary(Path(steps_path))
+        # The engine's capacity: tokens computed per second of step time, idle gaps between arrivals
+        # excluded (what a sweep over scheduling policies compares).
+        if st.get("busy_s"):
+            summary["throughput"]["busy_tokens_per_s"] = (st["prefill_tokens"] + st["decode_tokens"]) / st["busy_s"]
     if extra:
         summary.update(extra)
     kv_total = summary.get("kv_blocks_total")
@@ -177,6 +181,10 @@ def format_table(s: dict[str, Any]) -> str:
     if s.get("clock"):
         title += f"  clock={s['clock']}"
     lines.append(title)
+    if s.get("complete") is False:
+        lines.append("INCOMPLETE: the run was interrupted; the numbers cover the requests written so far")
+        if s.get("resume_command"):
+            lines.append(f"resume with: {s['resume_command']}")
     lines.append(f"requests      {s['requests']}  (completed {s['completed']}, errors {s['errors']}"
                  + (f", resumed {s['resumed']}" if s.get("resumed") else "") + ")")
     lines.append(f"duration      {_num(s['duration_s'], '{:.3f}')} s")

@@ -41,6 +41,7 @@ GENERATIONS_FIELDS = [
     pa.field("num_prefill_chunks", pa.int32()),
     pa.field("num_preemptions", pa.int32()),
     pa.field("num_cached_tokens", pa.int32()),
+    pa.field("class", pa.string()),  # the request class: workload.class_column, or a synthetic row's group
     pa.field("attempt", pa.int32()),  # 0 for the first run into this directory, 1 for the first resume, ...
 ]
 

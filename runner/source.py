@@ -37,6 +37,7 @@ class Row:
     max_tokens: Any = None  # the max_tokens column's raw value (None: the default)
     arrival: Any = None  # the trace column's raw value
     error: str | None = None  # the row could not be read (e.g. a bad JSON line)
+    klass: str | None = None  # the request class (workload.class_column; a synthetic row's group)
 
 
 class Source:
@@ -53,7 +54,7 @@ class Source:
     @property
     def columns(self) -> list[str]:
         c = self.cfg
-        cols = [c.prompt_column, c.id_column, c.max_tokens_column, self.arrival_column]
+        cols = [c.prompt_column, c.id_column, c.max_tokens_column, self.arrival_column, c.class_column]
         return list(dict.fromkeys(x for x in cols if x))
 
     def batches(self) -> Iterator[list[Row]]:
@@ -61,7 +62,8 @@ class Source:
 
     def _check_columns(self, available: list[str], where: str) -> None:
         keys = {"prompt_column": self.cfg.prompt_column, "id_column": self.cfg.id_column,
-                "max_tokens_column": self.cfg.max_tokens_column, "arrivals.column": self.arrival_column}
+                "max_tokens_column": self.cfg.max_tokens_column, "arrivals.column": self.arrival_column,
+                "class_column": self.cfg.class_column}
         for key, col in keys.items():
             if col and col not in available:
                 raise ConfigError(f"workload.{key}={col!r} is not a column of {where}; "
@@ -73,13 +75,15 @@ class Source:
         ids = cols.get(c.id_column) if c.id_column else None
         mts = cols.get(c.max_tokens_column) if c.max_tokens_column else None
         arr = cols.get(self.arrival_column) if self.arrival_column else None
+        cls = cols.get(c.class_column) if c.class_column else None
         out = []
         for i in range(n):
             index = start + i
             rid = ids[i] if ids is not None else None
             out.append(Row(index=index, id=str(index) if rid is None else str(rid), prompt=cols[c.prompt_column][i],
                            max_tokens=mts[i] if mts is not None else None,
-                           arrival=arr[i] if arr is not None else None))
+                           arrival=arr[i] if arr is not None else None,
+                           klass=None if cls is None or cls[i] is None else str(cls[i])))
         return out
 
     def _limited(self, batches: Iterator[dict[str, list]]) -> Iterator[list[Row]]:
@@ -302,13 +306,18 @@ class JsonlSource(Source):
                         batch.append(Row(index=index, id=str(index) if rid is None else str(rid),
                                          prompt=obj.get(c.prompt_column),
                                          max_tokens=obj.get(c.max_tokens_column) if c.max_tokens_column else None,
-                                         arrival=obj.get(self.arrival_column) if self.arrival_column else None))
+                                         arrival=obj.get(self.arrival_column) if self.arrival_column else None,
+                                         klass=_klass(obj.get(c.class_column) if c.class_column else None)))
                     index += 1
                     if len(batch) >= bs:
                         yield batch
                         batch = []
         if batch:
             yield batch
+
+
+def _klass(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 class SyntheticSource(Source):
@@ -320,20 +329,42 @@ class SyntheticSource(Source):
     """
 
     def __init__(self, cfg: WorkloadConfig, arrival_column: str | None) -> None:
-        from runner.arrivals import arrival_times
-
         super().__init__(cfg, arrival_column)
         s = cfg.synthetic
-        plan = []  # (arrival, group index, k)
-        for gi, g in enumerate(s.groups):
-            times = arrival_times(g.arrival, g.num_requests) if g.arrival is not None else np.zeros(g.num_requests)
+        n = sum(g.num_requests for g in s.groups)
+        self.total = n if cfg.limit is None else min(n, cfg.limit)
+        self.calibration = None  # set by the job when a group's arrival has a `load` (runner/calibration.py)
+        self.rates: dict[str, float] = {}  # group -> the rate its `load` resolved to
+        self.description = "synthetic " + ", ".join(f"{g.name} x{g.num_requests}" for g in s.groups)
+
+    def group_prompt_lengths(self, gi: int) -> list[int]:
+        """The prompt lengths of group gi's rows (the same draws as batches() makes)."""
+        s, g = self.cfg.synthetic, self.cfg.synthetic.groups[gi]
+        return [g.shared_prefix_len + self._lengths(np.random.default_rng([s.seed, gi, k]), g.prompt_len,
+                                                    g.prompt_len_sigma, g.min_prompt_len, g.max_prompt_len)
+                for k in range(g.num_requests)]
+
+    def _plan(self) -> list[tuple[float, int, int]]:
+        """(arrival, group index, k) of every row, in arrival order. Drawn when reading starts, so a
+        group whose arrivals have a `load` gets its rate from the calibration the job made."""
+        from runner.arrivals import arrival_times
+
+        plan = []
+        for gi, g in enumerate(self.cfg.synthetic.groups):
+            if g.arrival is None:
+                times = np.zeros(g.num_requests)
+            else:
+                rate = None
+                if g.arrival.load is not None:
+                    if self.calibration is None:
+                        raise ConfigError(f"workload.synthetic group {g.name!r}: arrival.load needs a calibration")
+                    lengths = self.group_prompt_lengths(gi)
+                    rate = self.calibration.rate(g.arrival.load, sum(lengths) / max(len(lengths), 1))
+                    self.rates[g.name] = rate
+                times = arrival_times(g.arrival, g.num_requests, rate)
             plan += [(float(t), gi, k) for k, t in enumerate(times)]
         plan.sort()
-        if cfg.limit is not None:
-            plan = plan[: cfg.limit]
-        self.plan = plan
-        self.total = len(plan)
-        self.description = "synthetic " + ", ".join(f"{g.name} x{g.num_requests}" for g in s.groups)
+        return plan if self.cfg.limit is None else plan[: self.cfg.limit]
 
     def _lengths(self, rng: np.random.Generator, median: int, sigma: float, lo: int, hi: int | None) -> int:
         n = median * float(np.exp(rng.normal(0.0, sigma))) if sigma > 0 else median
@@ -350,13 +381,13 @@ class SyntheticSource(Source):
             rng = np.random.default_rng([s.seed, gi, 1 << 30])
             prefixes.append(rng.integers(s.min_token_id, vocab, size=g.shared_prefix_len).tolist())
         batch: list[Row] = []
-        for index, (t, gi, k) in enumerate(self.plan):
+        for index, (t, gi, k) in enumerate(self._plan()):
             g = s.groups[gi]
             rng = np.random.default_rng([s.seed, gi, k])
             n = self._lengths(rng, g.prompt_len, g.prompt_len_sigma, g.min_prompt_len, g.max_prompt_len)
             ids = prefixes[gi] + rng.integers(s.min_token_id, vocab, size=n).tolist()
             mt = (self._lengths(rng, g.max_tokens, g.max_tokens_sigma, 1, None) if g.max_tokens is not None else None)
-            batch.append(Row(index=index, id=f"{g.name}-{k}", prompt=ids, max_tokens=mt, arrival=t))
+            batch.append(Row(index=index, id=f"{g.name}-{k}", prompt=ids, max_tokens=mt, arrival=t, klass=g.name))
             if len(batch) >= self.cfg.batch_size:
                 yield batch
                 batch = []
@@ -415,8 +446,13 @@ def _messages(value: list) -> list[dict[str, str]]:
     return msgs
 
 
-def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, column: str) -> Encoded:
-    """One row's prompt as token ids, or the reason it cannot be (never raises)."""
+def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, column: str,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> Encoded:
+    """One row's prompt as token ids, or the reason it cannot be (never raises).
+
+    chat_template_kwargs go to the template as variables (vLLM's chat_template_kwargs), e.g.
+    {"enable_thinking": False} for Qwen3."""
+    kw = chat_template_kwargs or {}
     if value is None:
         return Encoded(None, None, f"prompt is null (column {column!r})")
     kind = _kind_of(value)
@@ -434,9 +470,9 @@ def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, col
             return Encoded(ids, None)
         if kind == "chat":
             msgs = _messages(list(value))
-            return Encoded(list(tokenizer.apply_chat_template(msgs)), json.dumps(msgs, ensure_ascii=False))
+            return Encoded(list(tokenizer.apply_chat_template(msgs, **kw)), json.dumps(msgs, ensure_ascii=False))
         if chat_template:
-            return Encoded(list(tokenizer.apply_chat_template([{"role": "user", "content": value}])), value)
+            return Encoded(list(tokenizer.apply_chat_template([{"role": "user", "content": value}], **kw)), value)
         return Encoded(list(tokenizer.encode(value)), value)
     except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this row's error, not the job's
         return Encoded(None, value if isinstance(value, str) else None, f"prompt could not be tokenized: {e}")

@@ -26,6 +26,7 @@ COLUMNS = [  # (column, summary path, markdown header, scale for the table)
     ("req_per_s", ("throughput", "requests_per_s"), "req/s", None),
     ("output_tok_per_s", ("throughput", "output_tokens_per_s"), "out tok/s", None),
     ("input_tok_per_s", ("throughput", "input_tokens_per_s"), "in tok/s", None),
+    ("busy_tok_per_s", ("throughput", "busy_tokens_per_s"), "tok/s busy", None),
     ("ttft_p50_ms", ("latency_s", "ttft", "p50"), "TTFT p50 ms", 1e3),
     ("ttft_p99_ms", ("latency_s", "ttft", "p99"), "TTFT p99 ms", 1e3),
     ("itl_p50_ms", ("latency_s", "itl", "p50"), "ITL p50 ms", 1e3),
@@ -59,7 +60,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         if overrides is None:  # written by an older runner: fall back to Hydra's own record
             ov = f.parent / ".hydra" / "overrides.yaml"
             overrides = _read_overrides(ov) if ov.exists() else []
-        row = {"run": str(f.parent.relative_to(sweep_dir)), "overrides": list(overrides)}
+        row = {"run": str(f.parent.relative_to(sweep_dir)), "overrides": list(overrides),
+               "chunk_size": _get(s, ("config", "chunking", "size"))}
         for name, path, _, scale in COLUMNS:
             v = _get(s, path)
             row[name] = v * scale if (scale and v is not None) else v
@@ -91,6 +93,31 @@ def _label(row: dict[str, Any]) -> str:
     return row["varied"] or row["run"]
 
 
+KNEE_TOLERANCE = 0.05  # the knee: the smallest chunk within 5% of the best throughput
+
+
+def answers(rows: list[dict[str, Any]]) -> list[str]:
+    """What the sweep says, one line each: best P99 ITL, best TTFT p50, best throughput, the knee."""
+    def best(col: str, low: bool) -> dict[str, Any] | None:
+        have = [r for r in rows if r.get(col) is not None]
+        return (min if low else max)(have, key=lambda r: r[col]) if have else None
+
+    out = []
+    for col, what, unit, low in (("itl_p99_ms", "P99 ITL", "ms", True), ("ttft_p50_ms", "TTFT p50", "ms", True),
+                                 ("busy_tok_per_s", "throughput", "tok/s busy", False)):
+        r = best(col, low)
+        if r is not None:
+            out.append(f"- Best {what}: `{_label(r)}` ({_fmt(r[col])} {unit})")
+    top = best("busy_tok_per_s", False)
+    sized = [r for r in rows if r.get("chunk_size") is not None and r.get("busy_tok_per_s") is not None]
+    if top is not None and len({r["chunk_size"] for r in sized}) > 1:
+        near = [r for r in sized if r["busy_tok_per_s"] >= (1 - KNEE_TOLERANCE) * top["busy_tok_per_s"]]
+        knee = min(near, key=lambda r: r["chunk_size"])
+        out.append(f"- Knee: chunking.size={knee['chunk_size']} (`{_label(knee)}`), the smallest chunk within "
+                   f"{KNEE_TOLERANCE:.0%} of the best throughput ({_fmt(knee['busy_tok_per_s'])} tok/s busy)")
+    return out
+
+
 def write_markdown(rows: list[dict[str, Any]], path: Path) -> None:
     heads = ["run", "swept"] + [h for _, _, h, _ in COLUMNS]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -99,10 +126,13 @@ def write_markdown(rows: list[dict[str, Any]], path: Path) -> None:
         lines.append("| " + " | ".join(cells) + " |")
     common = set(rows[0]["overrides"].split()) - {o for r in rows for o in r["varied"].split()} if rows else set()
     shared = f"Overrides shared by every run: `{' '.join(sorted(common))}`\n\n" if common else ""
-    path.write_text("# Sweep\n\n" + shared + "\n".join(lines) + "\n")
+    summary = "\n".join(answers(rows))
+    path.write_text("# Sweep\n\n" + (summary + "\n\n" if summary else "") + shared + "\n".join(lines) + "\n")
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Left: the trade-off, P99 ITL against TTFT p50, one labelled point per run (a line through
+    them in chunk-size order). Right: bars of TTFT, ITL and busy throughput per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,18 +141,36 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     labels = [_label(r) for r in rows]
     x = np.arange(len(rows))
+    fig = plt.figure(figsize=(max(14, 1.4 * len(rows) * 4), 4.8), constrained_layout=True)
+    grid = fig.add_gridspec(1, 4, width_ratios=[1.3, 1, 1, 1])
+    ax = fig.add_subplot(grid[0])
+    pts = [(r["ttft_p50_ms"], r["itl_p99_ms"], r) for r in rows
+           if r.get("ttft_p50_ms") is not None and r.get("itl_p99_ms") is not None]
+    if all(p[2].get("chunk_size") is not None for p in pts):
+        pts.sort(key=lambda p: p[2]["chunk_size"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:gray", linewidth=0.8, zorder=1)
+    for tx, ty, r in pts:
+        ax.scatter([tx], [ty], zorder=2)
+        name = f"size {r['chunk_size']}" if r.get("chunk_size") is not None and "chunking.size" in r["varied"] \
+            else _label(r)
+        ax.annotate(name, (tx, ty), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("TTFT p50 (ms)")
+    ax.set_ylabel("ITL p99 (ms)")
+    ax.set_title("trade-off: stalls vs first token")
+    ax.grid(alpha=0.3)
     panels = [("TTFT (ms)", ["ttft_p50_ms", "ttft_p99_ms"]), ("ITL (ms)", ["itl_p50_ms", "itl_p99_ms"]),
-              ("throughput (output tok/s)", ["output_tok_per_s"])]
-    fig, axes = plt.subplots(1, 3, figsize=(max(12, 1.6 * len(rows) * 3), 4.5), constrained_layout=True)
-    for ax, (title, cols) in zip(axes, panels, strict=True):
+              ("throughput (tok/s busy)", ["busy_tok_per_s"])]
+    for i, (title, cols) in enumerate(panels):
+        ax = fig.add_subplot(grid[i + 1])
         width = 0.8 / len(cols)
-        for i, c in enumerate(cols):
-            vals = [np.nan if r[c] is None else r[c] for r in rows]
-            ax.bar(x + (i - (len(cols) - 1) / 2) * width, vals, width, label=c.split("_")[1] if len(cols) > 1 else None)
+        for j, c in enumerate(cols):
+            vals = [np.nan if r.get(c) is None else r[c] for r in rows]
+            ax.bar(x + (j - (len(cols) - 1) / 2) * width, vals, width,
+                   label=c.split("_")[1] if len(cols) > 1 else None)
         ax.set_title(title)
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         if len(cols) > 1:
-            ax.legend()
+            ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -135,7 +183,8 @@ def write_sweep_report(sweep_dir: str | Path) -> dict[str, Path]:
         log.warning("no summary.json under %s: no sweep report", sweep_dir)
         return {}
     out = {"parquet": sweep_dir / "sweep.parquet", "markdown": sweep_dir / "sweep.md", "plot": sweep_dir / "sweep.png"}
-    fields = [pa.field("run", pa.string()), pa.field("overrides", pa.string()), pa.field("varied", pa.string())]
+    fields = [pa.field("run", pa.string()), pa.field("overrides", pa.string()), pa.field("varied", pa.string()),
+              pa.field("chunk_size", pa.int64())]
     for name, *_ in COLUMNS:
         kind = pa.int64() if name in ("requests", "errors", "preemptions", "steps") else pa.float64()
         fields.append(pa.field(name, kind))

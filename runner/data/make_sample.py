@@ -1,7 +1,12 @@
-"""Write runner/data/prompts.parquet, the sample workload (`workload=sample`): 40 English prompts.
+"""Write runner/data/prompts.parquet, the sample workload (`workload=sample`): 40 English prompts
+and 8 long documents.
 
 Questions, instructions, short passages to summarise and a few longer tasks, so prompt lengths vary
-from a handful of tokens to a few hundred. Run `python -m runner.data.make_sample` after editing.
+from a handful of tokens to a few hundred; then 8 documents of 2,000-3,600 characters to summarise
+(category "document"), sections of the Python language reference as shipped with CPython
+(`pydoc_data.topics`, the text `help()` shows), so the default run has long prompts that arrive while
+the short ones decode. Columns: id, category, class ("short" or "document"), prompt. Run
+`python -m runner.data.make_sample` after editing.
 """
 
 from __future__ import annotations
@@ -103,11 +108,30 @@ PROMPTS: list[tuple[str, str]] = [
 ]
 
 
+# (topic of the Python language reference, characters kept): 2,000-3,600 characters each.
+DOCUMENT_TOPICS = [("assignment", 3600), ("exceptions", 2196), ("with", 3268), ("class", 2982),
+                   ("try", 3400), ("import", 3000), ("function", 3500), ("execmodel", 2600)]
+
+
+def documents() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    out = []
+    for name, chars in DOCUMENT_TOPICS:
+        text = topics[name][:chars]
+        text = text[: text.rfind("\n") if "\n" in text[chars // 2 :] else chars]  # end on a whole line
+        out.append(("document", "Summarise this section of the Python language reference in three sentences:\n\n"
+                    + text.strip()))
+    return out
+
+
 def write(path: Path) -> None:
+    rows = PROMPTS + documents()
     table = pa.table({
-        "id": [f"sample-{i:02d}" for i in range(len(PROMPTS))],
-        "category": [c for c, _ in PROMPTS],
-        "prompt": [p for _, p in PROMPTS],
+        "id": [f"sample-{i:02d}" for i in range(len(PROMPTS))] + [f"doc-{i}" for i in range(len(rows) - len(PROMPTS))],
+        "category": [c for c, _ in rows],
+        "class": ["document" if c == "document" else "short" for c, _ in rows],  # request class: arrivals, plots
+        "prompt": [p for _, p in rows],
     })
     pq.write_table(table, path)
 
@@ -115,4 +139,4 @@ def write(path: Path) -> None:
 if __name__ == "__main__":
     out = Path(__file__).with_name("prompts.parquet")
     write(out)
-    print(f"wrote {out} ({len(PROMPTS)} prompts)")
+    print(f"wrote {out} ({len(PROMPTS)} prompts, {len(DOCUMENT_TOPICS)} documents)")

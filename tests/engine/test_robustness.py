@@ -15,6 +15,11 @@ def path(tiny_hf_model_dir):
     return tiny_hf_model_dir("qwen3")
 
 
+@pytest.fixture(scope="module")
+def reference_engine(path):
+    return make_engine(path, prefix_caching=False)
+
+
 @pytest.mark.parametrize("backend,num_blocks", [("paged", 12), ("contiguous", 2)])
 def test_preemption_recomputes_and_outputs_stay_identical(path, backend, num_blocks):
     prompts = [random_prompt(n, seed=n) for n in (20, 30, 25, 40)]
@@ -160,3 +165,61 @@ def test_abort_frees_blocks_and_the_request_is_dropped(path):
     assert a not in done and done[b].finish_reason == "length"
     eng.abort_request(a)  # already gone: a no-op
     assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    suffixes=st.lists(st.integers(1, 30), min_size=2, max_size=7),
+    preamble=st.integers(0, 40),
+    max_tokens=st.lists(st.integers(1, 12), min_size=7, max_size=7),
+    chunk=st.integers(1, 40),
+    num_blocks=st.integers(8, 30),
+    max_partial=st.one_of(st.none(), st.integers(1, 2)),
+    arrivals=st.lists(st.integers(0, 3), min_size=7, max_size=7),
+)
+def test_random_shared_prefix_workloads_with_prefix_caching(path, reference_engine, suffixes, preamble,
+                                                            max_tokens, chunk, num_blocks, max_partial, arrivals):
+    """Prefix caching on, shared preambles, a tight cache (preemption), partial-prefill caps: blocks in
+    use always equal the distinct blocks live requests hold, and a step's scheduling never evicts more
+    cached blocks than it newly allocates (a refused admission takes and evicts nothing)."""
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(path=str(path), dtype="float32", device="cpu"),
+            cache=CacheConfig(block_size=4, num_blocks=num_blocks, max_model_len=128, prefix_caching=True),
+            chunking=ChunkingConfig(size=chunk, max_partial_prefills=max_partial),
+            max_num_seqs=4,
+        )
+    )
+    pool, sched = eng.kv.pool, eng.scheduler
+    real_schedule = sched.schedule
+
+    def checked_schedule():
+        evictions, held = pool.num_evictions, {id(r): len(r.block_ids) for r in sched.running}
+        out = real_schedule()
+        new_blocks = sum(len(r.block_ids) - held.get(id(r), r.num_cached_blocks) for r in sched.running)
+        assert pool.num_evictions - evictions <= new_blocks, "scheduling evicted blocks it did not use"
+        assert all(not r.block_ids for r in sched.waiting), "a waiting request holds blocks"
+        return out
+
+    sched.schedule = checked_schedule
+    shared = random_prompt(preamble, seed=99) if preamble else []
+    pending = [(i, shared + random_prompt(n, seed=i)) for i, n in enumerate(suffixes)]
+    prompts = {str(i): p for i, p in pending}
+    done, step = {}, 0
+    while pending or eng.has_unfinished_requests():
+        while pending and arrivals[pending[0][0]] <= step:
+            i, prompt = pending.pop(0)
+            eng.add_request(prompt, SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True),
+                            request_id=str(i))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        held = {b for r in sched.running for b in r.block_ids}
+        assert pool.num_used == len(held), "blocks in use must equal the distinct blocks live requests hold"
+        pool.check_invariants()
+        step += 1
+        assert step < 5000
+    for rid, out in done.items():  # sharing cached KV never changes an output
+        if out.finish_reason == "length":
+            ref = reference_engine.generate([prompts[rid]], GREEDY)[0].output_token_ids
+            assert out.output_token_ids == ref[: len(out.output_token_ids)]

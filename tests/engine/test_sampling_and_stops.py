@@ -187,10 +187,10 @@ def test_an_exception_while_updating_one_request_fails_only_it(tiny_hf_model_dir
     b = eng.add_request([8, 9], GREEDY)
     original = eng.detokenizer.step
 
-    def broken(state, ids):
-        if eng.requests.get(a) is not None and ids == eng.requests[a].all_token_ids:
+    def broken(state, prompt, output):
+        if eng.requests.get(a) is not None and prompt is eng.requests[a].prompt_token_ids:
             raise UnicodeError("broken tokenizer")
-        return original(state, ids)
+        return original(state, prompt, output)
 
     eng.detokenizer.step = broken
     done = run_to_completion(eng)

@@ -37,7 +37,7 @@ def path(tiny_hf_model_dir):
 
 
 def test_decodes_run_every_step_while_a_long_prompt_is_chunked(path):
-    eng = make_engine(path, size=16)
+    eng = make_engine(path, size=16, token_budget=64)
     decoders = start_decodes(eng)
     long_id = eng.add_request(random_prompt(200, seed=7), GREEDY)
     steps, _ = trace(eng)
@@ -78,7 +78,7 @@ def test_max_chunks_per_step(path, cap):
 
 @pytest.mark.parametrize("cap", [1, 2])
 def test_max_partial_prefills(path, cap):
-    eng = make_engine(path, size=8, max_partial_prefills=cap)
+    eng = make_engine(path, size=8, max_partial_prefills=cap, token_budget=64)
     ids = [eng.add_request(random_prompt(30, seed=i), GREEDY) for i in range(5)]
     reqs = [eng.requests[i] for i in ids]
     max_partial = 0
@@ -151,3 +151,50 @@ def test_never_an_empty_step_while_work_is_pending(path):
         eng.step()
         assert eng.last_step is not None and eng.last_step.scheduled
     run_to_completion(eng)
+
+
+@pytest.mark.parametrize("size,max_num_seqs,expected", [(16, 8, 16), (4, 8, 8), (8, 8, 8)])
+def test_default_step_budget_is_the_chunk_size(path, size, max_num_seqs, expected):
+    """token_budget=null: a step carries at most max(size, max_num_seqs) tokens, decodes included, so
+    a sweep over chunking.size changes what a step carries; every decode still fits."""
+    eng = make_engine(path, size=size, max_num_seqs=max_num_seqs)
+    decoders = start_decodes(eng, n=3)
+    while any(eng.requests[d].is_prefilling for d in decoders):  # a small budget takes a few steps
+        eng.step()
+    for i in range(4):
+        eng.add_request(random_prompt(60 + i, seed=10 + i), GREEDY)
+    steps, _ = trace(eng)
+    assert max(s.decode_tokens + s.prefill_tokens for s in steps) == expected
+    assert all(s.decode_tokens + s.prefill_tokens <= expected for s in steps)
+    assert all(s.scheduled.get(d, 1) == 1 for s in steps for d in decoders)  # decodes never squeezed out
+
+
+def test_default_step_budget_unchunked_admits_a_whole_prompt(path):
+    eng = make_engine(path, enabled=False, max_model_len=256)
+    start_decodes(eng)
+    long_id = eng.add_request(random_prompt(200, seed=7), GREEDY)
+    steps, _ = trace(eng)
+    assert next(s.scheduled[long_id] for s in steps if long_id in s.scheduled) == 200
+
+
+def test_unchunked_with_a_headroom_below_max_model_len_is_refused(path):
+    """A whole prompt longer than the headroom could never be scheduled while decodes run (and would
+    block the queue): the combination is a config error naming both keys."""
+    with pytest.raises(ValueError, match=r"chunking.decode_headroom=128 .*chunking.enabled=true"):
+        make_engine(path, enabled=False, decode_headroom=128, max_model_len=256)
+    eng = make_engine(path, enabled=False, decode_headroom=256, max_model_len=256)  # fits: allowed
+    start_decodes(eng)
+    long_id = eng.add_request(random_prompt(200, seed=7), GREEDY)
+    steps, done = trace(eng)
+    assert done[long_id].finish_reason == "length"
+    first = next(s for s in steps if long_id in s.scheduled)
+    assert first.scheduled[long_id] == 200 and first.decode_tokens == 3  # no waiting for decodes to end
+
+
+def test_unchunked_default_budget_fits_a_full_length_prompt_beside_every_decode(path):
+    """A prompt of max_model_len - 1 tokens must not wait for running decodes to finish."""
+    eng = make_engine(path, enabled=False, max_model_len=128, max_num_seqs=4)
+    decoders = start_decodes(eng, n=3)
+    long_id = eng.add_request(random_prompt(127, seed=7), SamplingParams(max_tokens=1, temperature=0.0))
+    eng.step()
+    assert eng.last_step.scheduled.get(long_id) == 127 and all(d in eng.last_step.scheduled for d in decoders)

@@ -72,13 +72,40 @@ def test_repo_id_not_in_local_cache_says_where_it_looked(tmp_path, monkeypatch):
     assert str(tmp_path / "hf-cache") in msg and "model.path" in msg and "acme/not-downloaded" in msg
 
 
-def test_repo_id_not_cached_with_architecture_falls_back_to_random(tmp_path, monkeypatch):
+def test_repo_id_not_cached_is_an_error_even_with_an_architecture(tmp_path, monkeypatch):
+    """A preset (path + architecture) whose weights are not cached stops and says how to choose,
+    instead of silently running on random weights."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    with pytest.warns(RandomWeightsWarning, match="acme/not-downloaded"):
-        model = load("acme/not-downloaded", QWEN3_ARCH)
+    with pytest.raises(FileNotFoundError) as err:
+        load("acme/not-downloaded", QWEN3_ARCH)
+    msg = str(err.value)
+    assert "acme/not-downloaded" in msg and str(tmp_path / "hf-cache") in msg and "model.random_weights=true" in msg
+
+
+def test_random_weights_are_taken_only_when_asked(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with pytest.warns(RandomWeightsWarning, match="model.random_weights=true"):
+        model = load("acme/not-downloaded", QWEN3_ARCH, random_weights=True)
     assert model.arch.architecture == "Qwen3ForCausalLM"
+
+
+def test_random_weights_of_a_real_checkpoint_use_its_config(tiny_hf_model_dir):
+    path = tiny_hf_model_dir("gemma3")
+    with pytest.warns(RandomWeightsWarning):
+        model = load(path, random_weights=True, seed=1)
+    assert model.arch.family == "gemma3"
+    with torch.no_grad():
+        assert not torch.equal(model.model.embed_tokens.weight, load(path).model.embed_tokens.weight)
+
+
+def test_a_typo_in_a_local_path_is_an_error_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        load(tmp_path / "modles" / "qwen", QWEN3_ARCH)
+    assert str(tmp_path / "modles" / "qwen") in str(err.value) and "does not exist" in str(err.value)
 
 
 def test_repo_id_resolves_through_the_local_cache(tiny_hf_model_dir, tmp_path, monkeypatch):
@@ -105,7 +132,7 @@ def test_random_init_is_deterministic_per_seed():
     with pytest.warns(RandomWeightsWarning, match="RANDOM"):
         a, b, c = (load(None, QWEN3_ARCH, seed=s) for s in (3, 3, 4))
     assert_same_weights(a, b)
-    w_a, w_c = a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight
+    w_a, w_c = a.model.layers[0].mlp.gate_up_proj.weight, c.model.layers[0].mlp.gate_up_proj.weight
     assert not torch.equal(w_a, w_c)
     assert abs(w_a.std().item() - 0.02) < 0.002 and w_a.mean().abs().item() < 0.002
     assert torch.equal(a.model.norm.weight, torch.ones(64))
@@ -127,10 +154,12 @@ def test_random_init_in_bf16_draws_directly_in_bf16():
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
-def test_config_without_weights_gives_random_weights_of_that_config(tiny_hf_model_dir, tmp_path):
+def test_config_without_weights_is_an_error_unless_random_weights(tiny_hf_model_dir, tmp_path):
     (tmp_path / "config.json").write_text((tiny_hf_model_dir("gemma3") / "config.json").read_text())
-    with pytest.warns(RandomWeightsWarning, match="no \\*.safetensors"):
-        model = load(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights.*model.random_weights=true"):
+        load(tmp_path)
+    with pytest.warns(RandomWeightsWarning):
+        model = load(tmp_path, random_weights=True)
     assert model.arch.family == "gemma3" and model.arch.sliding_window == 16
 
 
@@ -165,3 +194,39 @@ def test_bf16_weights_track_fp32(tiny_hf_model_dir):
     logits = prompt_logits(model, prompt)
     assert logits.dtype == torch.float32
     assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("checkpoint,device,expected", [
+    ("bfloat16", "cpu", torch.float32), ("float16", "cpu", torch.float32),
+    ("bfloat16", "cuda", torch.bfloat16), ("float16", "cuda", torch.float16),
+    ("float32", "cuda", torch.bfloat16), (None, "cuda", torch.bfloat16),
+])
+def test_dtype_auto_follows_the_checkpoint_on_cuda_and_is_fp32_on_cpu(checkpoint, device, expected):
+    from models import arch_from_config, resolve_dtype
+
+    arch = arch_from_config({**QWEN3_ARCH, "torch_dtype": checkpoint} if checkpoint else QWEN3_ARCH)
+    assert resolve_dtype("auto", device, arch) == expected
+    assert resolve_dtype("float16", device, arch) == torch.float16  # an explicit dtype always wins
+
+
+def test_one_place_decides_dtype():
+    from engine import llm_engine
+
+    assert not hasattr(llm_engine, "resolve_device_dtype")
+    with pytest.warns(RandomWeightsWarning):
+        model = load_model(None, {**QWEN3_ARCH, "torch_dtype": "bfloat16"}, "auto", "cpu")
+    assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_packed_projections_hold_the_checkpoint_tensors_row_for_row(tiny_hf_model_dir, name):
+    """qkv_proj = cat(q, k, v) and gate_up_proj = cat(gate, up) of the checkpoint, in that order."""
+    path = tiny_hf_model_dir(name)
+    tensors = load_file(str(next(path.glob("*.safetensors"))))
+    model = load(path)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        qkv = [tensors[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        gate_up = [tensors[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))

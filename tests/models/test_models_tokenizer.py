@@ -6,6 +6,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from models import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -102,3 +103,42 @@ def test_hf_tokenizer_from_a_model_directory(hf_tokenizer_dir):
 def test_explicit_tokenizer_that_cannot_be_found_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(None, 512, str(tmp_path / "missing"))
+
+
+def test_byte_fallback_for_a_real_vocabulary_adds_no_special_ids():
+    """A stand-in for a real model's missing tokenizer: 256-258 are that model's ordinary tokens, so
+    they are neither an EOS that stops generation nor a BOS put before every prompt."""
+    with pytest.warns(UserWarning, match="byte tokenizer"):
+        tok = load_tokenizer(None, 151936)
+    assert tok.eos_token_ids == [] and tok.bos_token_id is None
+    assert tok.encode("hi") == [104, 105]
+    assert tok.decode([104, 257, 105]) == "h\ufffdi"  # an id the stand-in cannot name
+    explicit = load_tokenizer(None, 512, "byte")  # the built-in tiny model's own tokenizer keeps them
+    assert explicit.eos_token_ids == [257] and explicit.encode("hi") == [256, 104, 105]
+
+
+def test_engine_eos_ids_come_from_the_model_when_the_tokenizer_is_a_stand_in(tiny_hf_model_dir):
+    from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
+
+    eng = LLMEngine(EngineConfig(model=ModelConfig(path=str(tiny_hf_model_dir("qwen3")), device="cpu"),
+                                 cache=CacheConfig(max_model_len=256)))
+    assert eng.eos_token_ids == set(eng.model.arch.eos_token_ids) and 257 not in eng.eos_token_ids
+    assert eng.dtype == torch.float32  # dtype auto on CPU
+
+
+def test_chat_template_kwargs_reach_the_template(hf_tokenizer_dir):
+    """vLLM's chat_template_kwargs: template variables such as Qwen3's enable_thinking."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(hf_tokenizer_dir), local_files_only=True)
+    hf.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %} <|end|>{% endif %}"
+    )
+    tok = HFTokenizer(hf)
+    msgs = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(msgs) == [3, 6, 5, 4]
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == [3, 6, 5, 4, 5]
+    assert ByteTokenizer(512).apply_chat_template(msgs, enable_thinking=False) == ByteTokenizer(
+        512).apply_chat_template(msgs)

@@ -51,6 +51,12 @@ class FakeEngine:
         self.steps = 0
         self.max_waiting = 0  # most requests ever queued (the runner's read-ahead bound shows here)
 
+    calibration_key = "fake"
+
+    def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
+        """The stand-in's cost model: step_cost per 32 tokens (what its steps take on the virtual clock)."""
+        return self.step_cost * max(1, sum(query_lens) / 32)
+
     def num_total_blocks(self) -> int:
         return 1000
 

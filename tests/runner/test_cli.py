@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -75,12 +77,54 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted" in stdout + stderr  # Hydra logs to stdout
     rows = pq.read_table(out / "generations.parquet").to_pylist()
-    assert 0 < len(rows) < 40 and not list(out.glob("*.tmp"))
-    assert json.loads((out / "summary.json").read_text())["complete"] is False
+    assert 0 < len(rows) < 48 and not list(out.glob("*.tmp"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False
+    # The message counts the rows really on disk and gives the exact command that resumes.
+    said = re.search(r"interrupted: (\d+) requests written by this run, (\d+) in \S+ in all; to resume, run: (.*)",
+                     stdout + stderr)
+    assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
+    assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
+    resume = shlex.split(said[3].strip())
+    assert resume[:3] == ["python", "-m", "runner"] and f"hydra.run.dir={out}" in resume
+    assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume
+    done = subprocess.run([sys.executable, *resume[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert pq.read_table(out / "generations.parquet").num_rows == 48
+    assert json.loads((out / "summary.json").read_text())["complete"] is True
 
 
 def test_config_error_exits_2_naming_the_key(tmp_path):
     p = ladle("workload=parquet", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert p.returncode == 2 and "workload.path" in p.stderr
+
+
+def test_every_config_error_exits_2_with_one_message(tmp_path):
+    """Hydra's own composition errors and ladle's checks alike: exit 2, the problem said once."""
+    cases = {
+        "chunking.sise=3": "sise",  # unknown key (Hydra)
+        "model=nope": "model/nope",  # unknown group option (Hydra)
+        "chunking.size=0": "chunking.size=0",  # a value ladle checks
+        "model.path=/no/such/modles/dir": "/no/such/modles/dir",  # a typo in model.path
+    }
+    for override, needle in cases.items():
+        p = ladle(f"hydra.run.dir={tmp_path / 'r'}", override, *FAST, timeout=120, cwd=tmp_path)
+        assert p.returncode == 2, (override, p.returncode, p.stderr[-2000:])
+        out = p.stdout + p.stderr
+        assert needle in out and "Traceback" not in out, (override, out)
+        # One message: Hydra's (which ends with its HYDRA_FULL_ERROR hint) or ladle's, never both or twice.
+        assert out.count("HYDRA_FULL_ERROR=1") + out.count("ladle: config error") == 1, (override, out)
+
+
+def test_a_preset_whose_weights_are_not_cached_says_how_to_choose(tmp_path):
+    env_cache = tmp_path / "empty-hf-cache"
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", HF_HUB_CACHE=str(env_cache))
+    p = subprocess.run([sys.executable, "-m", "runner", "model=qwen3_0_6b", f"hydra.run.dir={tmp_path / 'r'}",
+                        *FAST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 2
+    err = [line for line in p.stderr.splitlines() if line.startswith("ladle: config error")]
+    assert len(err) == 1 and "Qwen/Qwen3-0.6B" in err[0] and "model.random_weights=true" in err[0]
+    assert str(env_cache) in err[0]
+    assert not (tmp_path / "r" / "generations.parquet").exists()

@@ -49,8 +49,9 @@ def test_source_kinds(name, engine, datasets_dir, tmp_path):
             assert r["prompt"] is None and r["prompt_tokens"] == len(PROMPTS[i].encode())
         else:  # chat: the template adds role markers around both messages
             assert PROMPTS[i] in r["prompt"] and r["prompt_tokens"] > len(PROMPTS[i].encode()) + 10
-    for r in run["ok"]:  # chunking.size=16 splits what the prefix cache did not hold
-        assert r["num_prefill_chunks"] == math.ceil((r["prompt_tokens"] - r["num_cached_tokens"]) / 16)
+    for r in run["ok"]:  # a step carries at most 16 tokens (the derived budget): what the cache did
+        # not hold takes at least that many chunks, more when decodes share the steps
+        assert r["num_prefill_chunks"] >= math.ceil((r["prompt_tokens"] - r["num_cached_tokens"]) / 16)
 
 
 @pytest.mark.parametrize("process", ["poisson", "gamma", "trace"])

@@ -146,3 +146,22 @@ def test_encode_prompt_chat_template_and_text_column():
     assert enc.token_ids == TOK.apply_chat_template([{"role": "user", "content": "hi"}]) and enc.text == "hi"
     msgs = [{"role": "user", "content": "é"}]
     assert json.loads(encode_prompt(msgs, "chat", TOK, False, "m").text) == msgs
+
+
+def test_chat_template_kwargs_from_the_workload_config():
+    from runner.config import to_job_config
+    from tests.runner.conftest import compose_cfg
+
+    job = to_job_config(compose_cfg("workload.chat_template=true",
+                                    "+workload.chat_template_kwargs.enable_thinking=false"))
+    assert job.workload.chat_template_kwargs == {"enable_thinking": False}
+
+    seen = {}
+
+    class Recording:
+        def apply_chat_template(self, messages, **kw):
+            seen.update(kw)
+            return [1, 2]
+
+    enc = encode_prompt("hi", "auto", Recording(), True, "prompt", job.workload.chat_template_kwargs)
+    assert enc.token_ids == [1, 2] and seen == {"enable_thinking": False}

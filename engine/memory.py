@@ -1,0 +1,223 @@
+"""Memory planning: will the weights, the KV cache and the largest step fit, before any is allocated?
+
+`plan_memory` is a pure function of the model's shapes, the config and the bytes available, so it is
+tested with made-up numbers. The engine calls it before loading the model: a run that cannot fit stops
+at once with the numbers and the fixes instead of swapping or dying mid-job. When the KV cache size is
+left to ladle (no cache.num_blocks / cache.memory_gb) it is shrunk to what is left, with a warning.
+
+On CUDA the estimate of a step's activations is replaced by a measurement (vLLM's profile run): the
+engine runs one forward at the step budget's width after loading the weights and sizes the KV cache
+from the free memory that remains (see `profile_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+CPU_KV_CAP_GB = 4.0  # the default CPU KV cache when no size is given (it is also capped by what is free)
+CUDA_UTILIZATION = 0.90  # of the GPU's free memory at start, like vLLM's gpu_memory_utilization
+HOST_HEADROOM_GB = 1.0  # kept free on the host for Python, the tokenizer, the dataset's read-ahead
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """What the estimate needs from a model's architecture."""
+
+    num_parameters: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    weights_bytes: int
+    activation_bytes: int  # the largest step's (estimated; measured on CUDA)
+    kv_bytes_per_token: int
+    kv_tokens: int  # tokens the KV cache will hold
+    available_bytes: int
+    device: str
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes + self.kv_bytes
+
+
+class InsufficientMemory(ValueError):
+    """The run cannot fit (a config the user can change: a ValueError, reported as a config error)."""
+
+
+def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max_model_len: int,
+                     elem: int) -> int:
+    """Peak transient memory of one forward of `step_tokens` tokens, with a safety factor of 2.
+
+    Per token: the residual stream and a normed copy, q/k/v, the attention output, and the MLP's
+    gate/up/product; logits in float32 for at most one row per running sequence; the CPU reference
+    attention gathers one sequence's context keys and values (float32) per layer.
+    """
+    s = shape
+    per_token = (4 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+                 + s.num_heads * s.head_dim + 3 * s.intermediate_size)
+    hidden = step_tokens * per_token * elem
+    logits = min(step_tokens, max_num_seqs) * s.vocab_size * 4
+    context = 2 * max_model_len * s.num_kv_heads * s.head_dim * 4
+    return 2 * (hidden + logits + context)
+
+
+def plan_memory(shape: ModelShape, *, elem: int, device: str, available_bytes: int, step_tokens: int,
+                max_num_seqs: int, max_model_len: int, block_size: int, kv_tokens_wanted: int,
+                kv_size_given: bool, measured_activation_bytes: int | None = None) -> MemoryPlan:
+    """The memory the run will take, the KV cache sized to fit; raises InsufficientMemory naming the fixes.
+
+    kv_tokens_wanted: what the config asks for (explicit size, or enough for every sequence at full
+    length within the default cap). kv_size_given: the user set cache.num_blocks / memory_gb, so the
+    cache is not shrunk behind their back: it must fit as asked.
+    """
+    weights = shape.num_parameters * elem
+    act = measured_activation_bytes if measured_activation_bytes is not None else activation_bytes(
+        shape, step_tokens, max_num_seqs, max_model_len, elem)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elem
+    room = available_bytes - weights - act
+    min_tokens = math.ceil(max_model_len / block_size) * block_size  # one sequence at full length
+    kv_tokens = kv_tokens_wanted
+    if not kv_size_given and room < kv_tokens * per_token:
+        kv_tokens = max(0, room // per_token // block_size * block_size)
+    plan = MemoryPlan(weights, act, per_token, kv_tokens, available_bytes, device)
+    if plan.total_bytes > available_bytes or kv_tokens < min(min_tokens, kv_tokens_wanted):
+        raise InsufficientMemory(_explain(plan, max(kv_tokens_wanted, min_tokens), elem, kv_size_given))
+    return plan
+
+
+def _explain(plan: MemoryPlan, kv_tokens: int, elem: int, kv_size_given: bool) -> str:
+    def gb(b: float) -> str:
+        return f"{b / GIB:.1f} GiB"
+
+    kv = kv_tokens * plan.kv_bytes_per_token
+    need = plan.weights_bytes + plan.activation_bytes + kv
+    where = "free GPU memory" if plan.device.startswith("cuda") else "available host memory"
+    fixes = []
+    if elem == 4:
+        fixes.append("model.dtype=bfloat16 (halves weights and KV" + (
+            "; slow on CPU)" if not plan.device.startswith("cuda") else ")"))
+    fixes.append("a smaller cache (cache.memory_gb=..., cache.max_model_len=..., max_num_seqs=...)" if kv_size_given
+                 else "cache.max_model_len=... (one full-length sequence must fit)")
+    fixes.append("a smaller step (chunking.token_budget=...)")
+    fixes.append("a smaller model")
+    return (f"the run needs about {gb(need)} (weights {gb(plan.weights_bytes)} + KV cache {gb(kv)} for "
+            f"{kv_tokens} tokens + largest step {gb(plan.activation_bytes)}) but {gb(plan.available_bytes)} of "
+            f"{where} is there to use. Fixes: " + "; ".join(fixes) + ".")
+
+
+def available_host_bytes() -> int:
+    """MemAvailable, within the process's cgroup limit, less a headroom for the rest of the job."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:  # not Linux: trust the physical size
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_room()
+    if limit is not None:
+        avail = min(avail, limit)
+    return max(0, avail - int(HOST_HEADROOM_GB * GIB))
+
+
+def _cgroup_room() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            raw = f.read().strip()
+        if raw == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            return int(raw) - int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def profile_peak_bytes(model, num_tokens: int, max_model_len: int, backend: str = "auto") -> int | None:
+    """Run one forward of `num_tokens` prompt tokens (sequences of at most max_model_len) and return
+    the peak memory it allocated beyond the weights, on CUDA (None elsewhere: the CPU has no such
+    counter, the estimate stands). Its KV cache is a throwaway one just large enough (not counted)."""
+    import torch
+
+    from engine.profiling import BLOCK, dummy_forward, prefill_shape
+
+    device = next(model.parameters()).device
+    lens = prefill_shape(num_tokens, max_model_len)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    dummy_forward(model, lens, lens, backend)
+    if not cuda:
+        return None
+    arch = model.arch
+    elem = next(model.parameters()).element_size()
+    blocks = sum(math.ceil(n / BLOCK) for n in lens)
+    cache_bytes = arch.num_layers * 2 * blocks * BLOCK * arch.num_kv_heads * arch.head_dim * elem
+    return torch.cuda.max_memory_allocated(device) - base - cache_bytes
+
+
+def shape_of(arch) -> ModelShape:
+    return ModelShape(arch.num_parameters(), arch.num_layers, arch.hidden_size, arch.intermediate_size,
+                      arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size)
+
+
+def plan_kv_cache(config, arch, elem: int, device, measured_activation_bytes: int | None = None,
+                  available_bytes: int | None = None) -> tuple[MemoryPlan, int]:
+    """The memory plan of an engine config and the number of KV blocks it gives the cache.
+
+    Wanted: cache.num_blocks, else cache.memory_gb, else every sequence at full length (max_num_seqs
+    x max_model_len), capped at CPU_KV_CAP_GB on CPU; a size ladle chose is shrunk to what fits.
+    """
+    cache = config.cache
+    block_tokens = cache.max_model_len if cache.backend == "contiguous" else cache.block_size
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    given = cache.num_blocks is not None or cache.memory_gb is not None
+    if cache.num_blocks is not None:
+        wanted = cache.num_blocks * block_tokens
+    elif cache.memory_gb is not None:
+        wanted = int(cache.memory_gb * GIB) // (per_token * block_tokens) * block_tokens
+        if wanted < block_tokens:
+            raise InsufficientMemory(
+                f"cache.memory_gb={cache.memory_gb} holds no block of {block_tokens} tokens "
+                f"({per_token * block_tokens / 2**20:.1f} MiB each); raise cache.memory_gb")
+    else:
+        wanted = config.max_num_seqs * math.ceil(cache.max_model_len / block_tokens) * block_tokens
+        if device.type != "cuda":
+            wanted = min(wanted, int(CPU_KV_CAP_GB * GIB) // (per_token * block_tokens) * block_tokens)
+    if available_bytes is None:
+        available_bytes = _available(device)
+    ch = config.chunking
+    plan = plan_memory(
+        shape_of(arch), elem=elem, device=str(device), available_bytes=available_bytes,
+        step_tokens=ch.step_budget(config.max_num_seqs, cache.max_model_len),
+        max_num_seqs=config.max_num_seqs, max_model_len=cache.max_model_len, block_size=block_tokens,
+        kv_tokens_wanted=wanted, kv_size_given=given, measured_activation_bytes=measured_activation_bytes)
+    return plan, max(1, plan.kv_tokens // block_tokens)
+
+
+def _available(device) -> int:
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_UTILIZATION)
+    return available_host_bytes()

@@ -1,0 +1,53 @@
+"""A throwaway forward of a given shape: what memory profiling and arrival calibration measure.
+
+It runs the model on dummy token ids with its own small KV cache (never the engine's), so it can be
+called before the engine's cache exists and leaves no trace in it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kernels import AttentionMetadata
+
+BLOCK = 16
+
+
+def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[int],
+                  backend: str = "auto") -> float:
+    """Run one forward where sequence i computes its last query_lens[i] of seq_lens[i] tokens (earlier
+    positions are read from the cache, here zeros) and the LM head runs on each sequence's last token.
+    Returns the forward's wall seconds (synchronised on CUDA)."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    arch = model.arch
+    tables, start = [], 0
+    for n in seq_lens:
+        blocks = math.ceil(n / BLOCK)
+        tables.append(list(range(start, start + blocks)))
+        start += blocks
+    caches = [torch.zeros(2, start, BLOCK, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+              for _ in range(arch.num_layers)]
+    ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, device=device, logits_indices=ends,
+                                   backend=backend)
+    ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(s - q, s, device=device) for q, s in zip(query_lens, seq_lens)])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        hidden = model(ids, pos, caches, meta)
+        model.compute_logits(hidden[meta.logits_indices])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def prefill_shape(num_tokens: int, max_model_len: int) -> list[int]:
+    """`num_tokens` prompt tokens as sequences of at most max_model_len tokens."""
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])

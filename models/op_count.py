@@ -1,0 +1,91 @@
+"""Count the aten ops a model forward dispatches, per decoder layer, so the op budget of a layer is
+visible to tests and benchmarks (on a GPU every op is a kernel launch; on a CPU, dispatcher and
+Python work). Ops that only re-describe a tensor (views, transposes, splits) are counted apart."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Metadata-only ops: no kernel, no data touched.
+VIEW_OPS = frozenset(
+    f"aten.{name}"
+    for name in (
+        "view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "expand",
+        "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unbind",
+        "as_strided", "_reshape_alias", "to",
+    )
+)  # fmt: skip
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Records every aten op dispatched inside the `with` block, by op name, under the current scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scope = "other"
+        self.counts: dict[str, Counter[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts.setdefault(self.scope, Counter())[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def compute_ops(self, scope: str) -> int:
+        return sum(n for op, n in self.counts.get(scope, Counter()).items() if op not in VIEW_OPS)
+
+    def view_ops(self, scope: str) -> int:
+        return sum(n for op, n in self.counts.get(scope, Counter()).items() if op in VIEW_OPS)
+
+
+def count_layer_ops(model, *forward_args) -> tuple[AtenOpCounter, list[str]]:
+    """Run model(*forward_args) once under the counter with each decoder layer as its own scope
+    (`layer.N`); returns the counter and the layer scope names."""
+    counter = AtenOpCounter()
+    layers = list(model.model.layers)
+    scopes = [f"layer.{i}" for i in range(len(layers))]
+    handles = []
+    for scope, layer in zip(scopes, layers):
+        handles.append(layer.register_forward_pre_hook(lambda *_, s=scope: setattr(counter, "scope", s)))
+        handles.append(layer.register_forward_hook(lambda *_: setattr(counter, "scope", "other")))
+    try:
+        with torch.no_grad(), counter:  # not inference_mode: it shows composites (linear) undecomposed
+            model(*forward_args)
+    finally:
+        for h in handles:
+            h.remove()
+    return counter, scopes
+
+
+def ops_per_layer(model, *forward_args) -> dict[str, float]:
+    """Mean aten ops per decoder layer in one forward: {'compute': ..., 'views': ...}.
+
+    Runs the forward once uncounted first so per-forward work cached on the metadata (the attention
+    gather plan, RoPE tables) is not charged to the first layer."""
+    with torch.inference_mode():
+        model(*forward_args)
+    counter, scopes = count_layer_ops(model, *forward_args)
+    n = len(scopes)
+    return {
+        "compute": sum(counter.compute_ops(s) for s in scopes) / n,
+        "views": sum(counter.view_ops(s) for s in scopes) / n,
+    }
+
+
+def decode_ops_per_layer(model, context_lens: list[int], block_size: int = 16) -> dict[str, float]:
+    """ops_per_layer for a decode batch (one new token per sequence, `context_lens[b]` tokens already
+    cached) on scratch caches of the model's dtype and device."""
+    from kernels import AttentionMetadata
+
+    param = next(model.parameters())
+    a = model.arch
+    per_seq = max(context_lens) // block_size + 1
+    shape = (2, per_seq * len(context_lens) + 1, block_size, a.num_kv_heads, a.head_dim)
+    caches = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(a.num_layers)]
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(context_lens))]
+    seq_lens = [n + 1 for n in context_lens]
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, device=param.device)
+    ids = torch.arange(3, 3 + len(seq_lens), device=param.device)
+    positions = torch.tensor(context_lens, device=param.device)
+    return ops_per_layer(model, ids, positions, caches, meta)

@@ -1,0 +1,81 @@
+"""The memory plan: a run that cannot fit stops before anything big is allocated, with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig
+from engine.memory import GIB, InsufficientMemory, activation_bytes, plan_kv_cache, profile_peak_bytes
+from models import resolve_architecture
+
+QWEN3_4B = {  # the published config.json's shapes (random weights: nothing is loaded here)
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
+
+def _config(**cache) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path=None, architecture=QWEN3_4B, device="cpu"),
+                        cache=CacheConfig(max_model_len=4096, **cache), chunking=ChunkingConfig(size=256))
+
+
+def _arch():
+    return resolve_architecture(None, QWEN3_4B)[1]
+
+
+def test_qwen3_4b_fp32_on_a_24_gib_machine_with_other_work_is_refused_with_the_numbers():
+    """The new user's `model=qwen3_4b chunking.size=256` in fp32: 16 GB of weights + a 4 GiB cache."""
+    with pytest.raises(InsufficientMemory) as err:
+        plan_kv_cache(_config(memory_gb=4.0), _arch(), 4, torch.device("cpu"), available_bytes=18 * GIB)
+    msg = str(err.value)
+    assert "weights 15.0 GiB" in msg and "18.0 GiB of available host memory" in msg
+    assert "model.dtype=bfloat16" in msg and "cache.memory_gb" in msg and "smaller model" in msg
+
+
+def test_a_cache_size_ladle_chose_shrinks_to_what_is_left():
+    plan, blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=17 * GIB)
+    assert plan.total_bytes <= 17 * GIB and blocks * 16 >= 4096  # still one full-length sequence
+    roomy, roomy_blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=64 * GIB)
+    assert roomy.kv_bytes <= 4 * GIB + 16 * roomy.kv_bytes_per_token and roomy_blocks > blocks  # CPU cap
+
+
+def test_not_even_one_full_length_sequence_fits():
+    with pytest.raises(InsufficientMemory, match="cache.max_model_len"):
+        plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=int(15.5 * GIB))
+
+
+def test_an_explicit_cache_size_is_not_shrunk_behind_the_users_back():
+    with pytest.raises(InsufficientMemory):
+        plan_kv_cache(_config(num_blocks=100_000), _arch(), 2, torch.device("cpu"), available_bytes=20 * GIB)
+    _plan, blocks = plan_kv_cache(_config(num_blocks=1000), _arch(), 2, torch.device("cpu"),
+                                 available_bytes=20 * GIB)
+    assert blocks == 1000
+
+
+def test_activations_grow_with_the_step_budget():
+    from engine.memory import shape_of
+
+    s = shape_of(_arch())
+    small, big = (activation_bytes(s, t, 64, 4096, 2) for t in (256, 8192))
+    assert big > 5 * small
+
+
+def test_the_engine_refuses_before_loading_weights(monkeypatch):
+    """The check runs on config files alone: the refused run never allocates the 16 GB of weights."""
+    import models
+    from engine import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(InsufficientMemory, match="8.0 GiB"):
+        LLMEngine(_config())
+
+
+def test_profile_run_runs_a_forward_at_the_step_width(tiny_hf_model_dir):
+    from models import load_model
+
+    model = load_model(str(tiny_hf_model_dir("qwen3")), None, torch.float32, "cpu")
+    assert profile_peak_bytes(model, 300, 128) is None  # CPU: no allocator counter, the estimate stands
