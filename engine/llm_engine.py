@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import time
 from collections.abc import Sequence
 
 import torch
 
 from engine.clock import Clock, WallClock
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.memory import plan_kv_cache, profile_peak_bytes
@@ -34,22 +36,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
         from models import load_model, load_tokenizer, resolve_architecture, resolve_dtype  # engine -> models
 
-        config.validate()
         self.config = config
         self.clock = clock or WallClock()
         mc = config.model
-        self.device = resolve_device(mc.device)
-        # Config files only: the shapes, the dtype and the memory plan come before any weight is loaded.
-        _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
-        self.max_model_len = config.cache.max_model_len
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({arch.max_position_embeddings}); lower cache.max_model_len"
-            )
-        self.dtype = resolve_dtype(mc.dtype, self.device, arch)  # the one rule for dtype "auto"
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.memory_plan, num_blocks = plan_kv_cache(config, arch, elem, self.device)
+        try:  # the config phase: a mistake here is the user's to fix, found before any weight is loaded
+            config.validate()
+            self.device = resolve_device(mc.device)
+            _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
+            self.arch = arch
+            self.max_model_len = config.cache.max_model_len
+            if self.max_model_len > arch.max_position_embeddings:
+                raise EngineConfigError(
+                    f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                    f"({arch.max_position_embeddings}); lower cache.max_model_len"
+                )
+            self.dtype = resolve_dtype(mc.dtype, self.device, arch)  # the one rule for dtype "auto"
+            elem = torch.tensor([], dtype=self.dtype).element_size()
+            self.memory_plan, num_blocks = plan_kv_cache(config, arch, elem, self.device)
+            self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
+        except EngineConfigError:
+            raise
+        except (ValueError, FileNotFoundError) as e:
+            raise EngineConfigError(str(e)) from e
         self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed,
                                 random_weights=mc.random_weights)
         if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
@@ -58,7 +66,6 @@ class LLMEngine:
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
-        self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
         self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.vocab_size = arch.vocab_size
         self.kv = KVCacheManager(
@@ -153,9 +160,16 @@ class LLMEngine:
 
     @property
     def calibration_key(self) -> str:
-        """What a timing of this engine depends on (a stored calibration is reused only for the same)."""
-        mc = self.config.model
-        return f"{mc.name}|{mc.path}|{self.dtype}|{self.device}|{mc.attention_backend}|{mc.random_weights}"
+        """What a timing of this engine depends on (a stored calibration is reused only for the same):
+        the architecture's shapes, dtype, device, attention backend, torch's threads and the longest
+        sequence (it caps the calibrated prefill). Not the weights' values, which do not change speed."""
+        parts = {
+            "arch": repr(self.arch), "dtype": str(self.dtype), "device": str(self.device),
+            "backend": self.config.model.attention_backend, "threads": torch.get_num_threads(),
+            "max_model_len": self.max_model_len,
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.config.model.name}|{digest}"
 
     def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
         """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and

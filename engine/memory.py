@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from engine.config import EngineConfigError
+
 GIB = 2**30
 CPU_KV_CAP_GB = 4.0  # the default CPU KV cache when no size is given (it is also capped by what is free)
 CUDA_UTILIZATION = 0.90  # of the GPU's free memory at start, like vLLM's gpu_memory_utilization
@@ -54,7 +56,7 @@ class MemoryPlan:
         return self.weights_bytes + self.activation_bytes + self.kv_bytes
 
 
-class InsufficientMemory(ValueError):
+class InsufficientMemory(EngineConfigError):
     """The run cannot fit (a config the user can change: a ValueError, reported as a config error)."""
 
 
