@@ -14,7 +14,7 @@ from engine.clock import Clock, WallClock
 from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
-from engine.memory import plan_kv_cache, profile_peak_bytes
+from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
@@ -63,6 +63,7 @@ class LLMEngine:
         if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
             step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
             peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
+            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
