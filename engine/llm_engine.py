@@ -331,12 +331,13 @@ class LLMEngine:
         """A finished request is reported once; the engine keeps no reference to it afterwards."""
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self.runner.release(req.request_id)
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=req.output_token_ids,  # no copy per step: see RequestOutput
             text=req.text[: req.num_emitted_chars],
             new_token_ids=new_ids,
             new_text=new_text,
