@@ -47,6 +47,9 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.triton_cache import triton_write_kv_cache
+from kernels.triton_launch import launch_plan
+from kernels.triton_split_kv import launch_split_kv
+from kernels.triton_tiles import attend_key_tile
 
 
 @triton.jit
@@ -64,31 +67,7 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf (exp overflow gives 1, underflow gives -1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _mma(a, b, acc, FP32_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc + a @ b with fp32 accumulation.
-
-    FP32_DOT: fp32 inputs use 3xTF32 (about fp32 accuracy, on tensor cores) instead of plain TF32;
-    exact "ieee" dots run on FMA units and spill registers at these tile sizes.
-    UPCAST_DOT: the Triton interpreter (3.8) multiplies bf16 operands as their raw uint16 bits, so
-    under the interpreter bf16 operands are widened to fp32 first. Widening is exact: the operands'
-    bf16 rounding (of P in particular) is still what the GPU's bf16 tensor-core dot sees.
-    """
-    if UPCAST_DOT:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if FP32_DOT:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "skip_decodes", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
@@ -98,6 +77,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] int32
     qsl_ptr,  # [B + 1] int32: query_start_loc
     num_seqs,
+    skip_decodes,  # nonzero: sequences with one query row are left to the split-KV path
     scale,  # softmax scale (natural units)
     softcap,  # used when HAS_SOFTCAP
     window,  # used when HAS_WINDOW
@@ -129,8 +109,8 @@ def _paged_attention_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     q0 = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query (local index) of the tile
-    if q0 >= q_len:
-        return  # spare program past the sequence's last tile
+    if (q0 >= q_len) | ((skip_decodes != 0) & (q_len == 1)):
+        return  # spare program past the sequence's last tile, or a decode the split-KV path owns
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
@@ -162,71 +142,18 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
 
     for start in range(kv_begin, kv_end, BLOCK_N):
-        # Physical cache row of each key position, through the block table.
-        k_pos = start + offs_n
-        k_ok = k_pos < kv_end
-        block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + dims[:, None], mask=dim_ok[:, None] & k_ok[None, :], other=0.0
-        )  # [HEAD_DIM_PAD, BLOCK_N]: K^T
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + dims[None, :], mask=k_ok[:, None] & dim_ok[None, :], other=0.0
-        )  # [BLOCK_N, HEAD_DIM_PAD]
-
-        s = _mma(q, k.to(q.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FP32_DOT, UPCAST_DOT)
-        s = s * qk_scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap) * 1.4426950408889634
-
-        visible = k_pos[None, :] <= q_pos[:, None]
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-
-        # Online softmax. A row that has seen no visible key yet keeps m = -inf; m_safe avoids
-        # (-inf) - (-inf) there (its p and alpha are then exp2(-inf) = 0).
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = _mma(p.to(q.dtype), v.to(q.dtype), acc, FP32_DOT, UPCAST_DOT)
-        m_i = m_new
+        m_i, l_i, acc = attend_key_tile(
+            q, q_pos, m_i, l_i, acc, start, kv_end, window, softcap, qk_scale, block_row,
+            k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_cs, stride_ch, dims, dim_ok,
+            BLOCK_SIZE, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP, FP32_DOT, UPCAST_DOT,
+        )
 
     # Every real row sees at least its own key, so l_i > 0 there; padding rows are not stored.
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-def tile_config(
-    head_dim: int, group: int, max_query_len: int, dtype: torch.dtype = torch.bfloat16
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps) for a batch.
-
-    BLOCK_M grows with the longest query (times the head group) up to a cap; a decode-only batch
-    gets the head group padded to 16 rows (tl.dot's minimum). Caps, key tiles and warps are chosen so
-    that ptxas (sm_90, triton 3.8) compiles every configuration without register spills: the gathered
-    K/V tiles need one 64-bit address per element, which is what limits the tile sizes.
-    """
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:  # 3xTF32 dots take about three times the registers
-        cap = 32 if head_dim_pad <= 64 else 16
-        block_n, num_warps = (32 if head_dim_pad <= 128 else 16), 8
-    elif head_dim_pad <= 64:
-        cap, block_n, num_warps = 64, 64, 4
-    elif head_dim_pad <= 128:
-        cap, block_n, num_warps = 64, 64, 8
-    else:
-        cap, block_n, num_warps = 32, 32, 8
-    wanted = triton.next_power_of_2(max(1, max_query_len) * group)
-    block_m = max(16, triton.next_power_of_2(group), min(cap, wanted))
-    return block_m, block_m // group, block_n, num_warps
 
 
 def is_interpreted() -> bool:
@@ -286,25 +213,27 @@ def triton_attention(
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
-    block_tables = meta.block_tables
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
 
-    group = num_heads // num_kv
-    block_m, block_q, block_n, num_warps = tile_config(head_dim, group, meta.max_query_len, q.dtype)
-    num_seqs = meta.num_seqs
-    # Sequence b's tiles start at query_start_loc[b] // BLOCK_Q + b: this bounds the tile count.
-    grid = (num_tokens // block_q + num_seqs, num_kv)
+    # Grids, tiles, the split-KV choice and its buffers: prepared by the forward's first layer.
+    plan = launch_plan(meta, num_heads, num_kv, head_dim, q.dtype)
+    upcast_dot = q.dtype == torch.bfloat16 and is_interpreted()
+    if plan.split:
+        launch_split_kv(out, q, kv_cache, meta, plan, scale=scale, sliding_window=sliding_window,
+                        softcap=softcap, upcast_dot=upcast_dot)
+    if plan.grid is None:  # every row was a decode, all done by the split path
+        return out
+    block_m, block_q, block_n, num_warps = plan.tiles
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[plan.grid](
         out,
         q,
         k_cache,
         v_cache,
-        block_tables,
+        plan.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        num_seqs,
+        meta.num_seqs,
+        int(plan.split),
         float(scale),
         float(softcap) if softcap is not None else 0.0,
         int(sliding_window) if sliding_window is not None else 0,
@@ -315,10 +244,10 @@ def triton_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
+        plan.block_tables.stride(0),
+        GROUP=num_heads // num_kv,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=plan.head_dim_pad,
         BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -326,7 +255,7 @@ def triton_attention(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         FP32_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=q.dtype == torch.bfloat16 and is_interpreted(),
+        UPCAST_DOT=upcast_dot,
         num_warps=num_warps,
     )
     return out

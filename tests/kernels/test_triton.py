@@ -33,6 +33,7 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 pytest.importorskip("triton")
 import kernels.triton_attention as triton_attention_mod
 import kernels.triton_cache as triton_cache_mod
+import kernels.triton_launch as triton_launch
 
 KERNELS_RUN_HERE = DEVICE == "cuda" or triton_attention_mod.is_interpreted()
 needs_kernels = pytest.mark.skipif(
@@ -148,7 +149,7 @@ def test_attention_matches_reference(case):
     want = reference_attention(q, k, v, ref_cache, meta, scale=scale, sliding_window=window, softcap=softcap)
     if window is not None:
         group = num_heads // num_kv
-        _, _, block_n, _ = triton_attention_mod.tile_config(head_dim, group, meta.max_query_len, dtype)
+        _, _, block_n, _ = triton_launch.tile_config(head_dim, group, meta.max_query_len, dtype)
         assert poison_skipped_tiles(cache, meta, window, block_n) > 0
     got = triton_attention(q, k, v, cache, meta, scale=scale, sliding_window=window, softcap=softcap)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -210,7 +211,7 @@ def test_tile_config_stays_small_and_legal():
         for head_dim in (8, 32, 64, 80, 128, 256):
             for group in (1, 2, 3, 4, 8, 16):
                 for max_q in (1, 2, 7, 130, 4096):
-                    bm, bq, bn, _ = triton_attention_mod.tile_config(head_dim, group, max_q, dtype)
+                    bm, bq, bn, _ = triton_launch.tile_config(head_dim, group, max_q, dtype)
                     assert bm >= 16 and bn >= 16 and bq >= 1 and bq * group <= bm
                     assert bm & (bm - 1) == 0
                     if max_q == 1:  # decode-only: the head group alone, padded to tl.dot's 16 rows
@@ -229,14 +230,18 @@ if "nvidia" not in triton.backends.backends:
     print("SKIP: triton has no nvidia backend"); sys.exit(0)
 import kernels.triton_attention as A
 import kernels.triton_cache as C
+import kernels.triton_launch as L
+import kernels.triton_split_kv as S
 
 def signature(kernel, dtype, constexprs, wide=()):
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr"):
+        elif name in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "decode_seqs_ptr"):
             sig[name] = "*i32"
+        elif name.startswith("part_"):
+            sig[name] = "*fp32"
         elif name == "slot_ptr":
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -254,13 +259,25 @@ for arch, dtype, head_dim, group, block_size, max_q, window, softcap in [
     (90, "fp32", 64, 1, 16, 512, True, False),
     (80, "fp16", 128, 8, 16, 512, False, True),
 ]:
-    bm, bq, bn, warps = A.tile_config(head_dim, group, max_q, TORCH[dtype])
+    bm, bq, bn, warps = L.tile_config(head_dim, group, max_q, TORCH[dtype])
     const = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
                  BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_Q=bq, BLOCK_N=bn, HAS_WINDOW=window,
                  HAS_SOFTCAP=softcap, FP32_DOT=dtype == "fp32", UPCAST_DOT=False)
     sig = signature(A._paged_attention_kernel, dtype, const, wide=("stride_cb",))
     src = ASTSource(A._paged_attention_kernel, sig, const)
     triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    # The split-KV decode kernel (decode tiles) and its reduce.
+    bm, _, bn, warps = L.tile_config(head_dim, group, 1, TORCH[dtype])
+    const = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim,
+                 HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=bm,
+                 BLOCK_N=bn, HAS_WINDOW=window, HAS_SOFTCAP=softcap, FP32_DOT=dtype == "fp32", UPCAST_DOT=False)
+    src = ASTSource(S._split_kv_decode_kernel, signature(S._split_kv_decode_kernel, dtype, const, wide=("stride_cb",)),
+                    const)
+    triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    const = dict(NUM_HEADS=group * 2, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+                 SEGMENTS_PAD=L.MAX_SEGMENTS)
+    src = ASTSource(S._reduce_segments_kernel, signature(S._reduce_segments_kernel, dtype, const), const)
+    triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 const = dict(NUM_KV=8, HEAD_DIM=128, NUM_KV_PAD=8, HEAD_DIM_PAD=128)
 src = ASTSource(C._write_kv_kernel, signature(C._write_kv_kernel, "bf16", const), const)
 triton.compile(src, target=GPUTarget("cuda", 90, 32))
