@@ -29,7 +29,7 @@ makes the whole step wait for one serial program. With S = 1 the whole batch run
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -97,7 +97,7 @@ def tile_config(
 class LaunchPlan:
     """The launches of one attention call, shared by every layer of a forward."""
 
-    block_tables: torch.Tensor  # contiguous in its last dim, as the kernels index it
+    block_tables: torch.Tensor = field(repr=False)  # contiguous in its last dim, as the kernels index it
     head_dim_pad: int
     # 2D kernel: (BLOCK_M, BLOCK_Q, BLOCK_N, num_warps) and grid; grid None when it has no rows to do.
     tiles: tuple[int, int, int, int]
@@ -106,11 +106,11 @@ class LaunchPlan:
     # and the partials [num_decodes, H, S, (D_pad)] the segments write and the reduce reads (fp32).
     num_segments: int = 1
     num_decodes: int = 0
-    decode_seqs: torch.Tensor | None = None
+    decode_seqs: torch.Tensor | None = field(default=None, repr=False)
     split_tiles: tuple[int, int, int, int] | None = None
-    partial_out: torch.Tensor | None = None
-    partial_max: torch.Tensor | None = None
-    partial_sum: torch.Tensor | None = None
+    partial_out: torch.Tensor | None = field(default=None, repr=False)
+    partial_max: torch.Tensor | None = field(default=None, repr=False)
+    partial_sum: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def split(self) -> bool:

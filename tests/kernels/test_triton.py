@@ -343,3 +343,108 @@ def test_kernels_in_a_fresh_interpreter_process():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     # Everything ran there but this test itself.
     assert " passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+# --- Split-KV (segmented) decode path -----------------------------------------------------------
+
+# A policy that splits small test batches: any decode context of >= 2 x 16 keys, up to 16 segments.
+EAGER_SPLIT = triton_launch.SplitPolicy(target_programs=4096, max_segments=16, min_keys_per_segment=16)
+
+
+def _plan_of(meta, q, num_kv):
+    plans = [p for key, p in meta.cache.items() if key[0] == "triton_launch_plan"]
+    assert len(plans) == 1
+    return plans[0]
+
+
+def _run_split_case(seqs, heads, head_dim, block_size, window, softcap, dtype, policy, monkeypatch, seed=0):
+    num_heads, num_kv = heads
+    q, k, v, cache, meta = build_batch(seqs, block_size, num_heads, num_kv, head_dim, dtype, seed=seed)
+    scale = head_dim**-0.5
+    want = reference_attention(q, k, v, cache.clone(), meta, scale=scale, sliding_window=window, softcap=softcap)
+    monkeypatch.setattr(triton_launch, "DEFAULT_POLICY", policy)
+    got = triton_attention(q, k, v, cache, meta, scale=scale, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    return _plan_of(meta, q, num_kv)
+
+
+# batch, (num_heads, num_kv), head_dim, block_size, window, softcap, dtype: decode-only and mixed
+# batches (1-token sequences, contexts across 16/32-token blocks), block sizes 16 and 32, GQA 1/4/8.
+SPLIT_CASES = [
+    ("decode", (4, 4), 64, 16, None, None, torch.float32),
+    ("decode", (8, 2), 128, 32, None, 30.0, torch.bfloat16),
+    ("decode", (8, 1), 64, 16, 40, None, torch.float16),
+    ("decode", (6, 2), 80, 32, None, None, torch.float32),
+    ("mixed", (8, 2), 64, 16, None, None, torch.float32),
+    ("mixed", (8, 1), 128, 32, 40, 30.0, torch.bfloat16),
+    ("mixed", (4, 4), 32, 16, None, None, torch.float16),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=_case_id)
+def test_split_kv_matches_reference(case, monkeypatch):
+    batch, heads, head_dim, block_size, window, softcap, dtype = case
+    seqs = BATCHES[batch]
+    plan = _run_split_case(seqs, heads, head_dim, block_size, window, softcap, dtype, EAGER_SPLIT, monkeypatch)
+    decodes = sum(1 for _, n in seqs if n == 1)
+    longest = max(c + n for c, n in seqs if n == 1)
+    assert plan.split and plan.num_decodes == decodes and plan.num_segments == min(16, longest // 16)
+    # A mixed batch still runs its chunks in the 2D kernel; a decode-only one does not launch it.
+    assert (plan.grid is None) == (decodes == len(seqs))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_segment_edges(dtype, monkeypatch):
+    """Contexts exactly at, one before and one after a segment edge; rows with fewer key tiles than
+    segments (their trailing segments are empty, the reduce must ignore them), a 1-token sequence.
+    A batch of only 1-token sequences has nothing to split (one key each): it runs in the 2D kernel."""
+    block_n = triton_launch.tile_config(64, 2, 1, dtype)[2]
+    policy = triton_launch.SplitPolicy(target_programs=4096, max_segments=4, min_keys_per_segment=1)
+    edge = 4 * 2 * block_n  # 4 segments of 2 key tiles each
+    seqs = [(edge - 1, 1), (edge - 2, 1), (edge, 1), (2 * block_n - 1, 1), (block_n, 1), (0, 1)]
+    plan = _run_split_case(seqs, (4, 2), 64, 16, None, None, dtype, policy, monkeypatch)
+    assert plan.num_segments == 4
+    ones = [(0, 1)] * 5
+    policy = triton_launch.SplitPolicy(target_programs=4096, max_segments=16, min_keys_per_segment=1)
+    plan = _run_split_case(ones, (8, 2), 64, 32, None, None, dtype, policy, monkeypatch, seed=1)
+    assert not plan.split and plan.grid is not None
+
+
+def test_split_kv_heuristic_boundaries():
+    policy = triton_launch.DEFAULT_POLICY
+    segments = triton_launch.num_segments
+    target, min_keys = policy.target_programs, policy.min_keys_per_segment
+    assert segments(0, 8, 10_000, policy) == 1  # no decode rows
+    assert segments(target // 8, 8, 10_000, policy) == 1  # decode programs already fill the GPU
+    assert segments(target // 8 - 1, 8, 10_000, policy) == 2  # one program short: split in two
+    assert segments(1, 1, 100_000, policy) == policy.max_segments  # capped
+    assert segments(1, 1, 2 * min_keys - 1, policy) == 1  # too short for two segments of min_keys
+    assert segments(1, 1, 2 * min_keys, policy) == 2
+    assert segments(1, 8, 100_000, policy) == 16 and segments(3, 8, 100_000, policy) == 6
+    with pytest.raises(ValueError, match="max_segments"):
+        triton_launch.SplitPolicy(max_segments=32)
+
+
+@needs_kernels
+def test_split_kv_long_single_sequence_fp16(monkeypatch):
+    """One 65k-token decode with one KV head: the default policy splits it 16 ways. In fp16 the
+    partials and their merge stay in fp32, so the split result is as close to an fp32 computation
+    as the unsplit kernel's is."""
+    seqs = [(65_535, 1)]
+    q, k, v, cache, meta = build_batch(seqs, 16, 8, 1, 64, torch.float16, seed=4)
+    scale = 64**-0.5
+    exact = reference_attention(*(t.float() for t in (q, k, v, cache.clone())), meta, scale=scale)
+    want = reference_attention(q, k, v, cache.clone(), meta, scale=scale)
+    got = triton_attention(q, k, v, cache.clone(), meta, scale=scale)
+    plan = _plan_of(meta, q, 1)
+    assert plan.split and plan.num_segments == 16 and plan.grid is None
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float16])
+    meta.cache.clear()
+    monkeypatch.setattr(triton_launch, "DEFAULT_POLICY", triton_launch.SplitPolicy(target_programs=1))
+    unsplit = triton_attention(q, k, v, cache.clone(), meta, scale=scale)
+    assert not _plan_of(meta, q, 1).split
+    err_split = (got.float() - exact).abs().max().item()
+    err_unsplit = (unsplit.float() - exact).abs().max().item()
+    assert err_split <= 1.5 * err_unsplit + 1e-4, (err_split, err_unsplit)
