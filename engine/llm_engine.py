@@ -16,10 +16,12 @@ from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
+from engine.profiling import warm_up_kernels
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from kernels import get_backend
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,11 +60,15 @@ class LLMEngine:
             raise
         except (ValueError, FileNotFoundError) as e:
             raise EngineConfigError(str(e)) from e
+        self.kernel_warmup_s = 0.0  # seconds compiling the Triton kernels before the first step (CUDA)
         self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed,
                                 random_weights=mc.random_weights)
         if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
             step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
             peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
+            if get_backend(self.device, mc.attention_backend) == "triton":  # compile before the first step
+                self.kernel_warmup_s = warm_up_kernels(self.model, self.max_model_len, config.max_num_seqs, step,
+                                                       mc.attention_backend)
             peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,

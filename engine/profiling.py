@@ -51,3 +51,25 @@ def prefill_shape(num_tokens: int, max_model_len: int) -> list[int]:
     """`num_tokens` prompt tokens as sequences of at most max_model_len tokens."""
     full, rest = divmod(num_tokens, max_model_len)
     return [max_model_len] * full + ([rest] if rest else [])
+
+
+def warm_up_kernels(model: torch.nn.Module, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                    backend: str = "auto") -> float:
+    """Compile every Triton kernel variant a run can launch, before its first timed step.
+
+    Triton compiles a kernel the first time it meets a new specialisation (for the attention kernels:
+    the 2D kernel's query tile, which follows the longest query of the batch; the split-KV and reduce
+    kernels), which costs seconds on a GPU. Without this, those stalls land in the run's first decode,
+    first mixed and first split-KV steps. The batches come from kernels.triton_launch.warmup_batches
+    (decode-only, one per 2D tile size, split-KV decode-only and mixed) and run as throwaway forwards
+    with their own caches. Returns the wall seconds spent."""
+    from kernels.triton_launch import warmup_batches
+
+    arch = model.arch
+    dtype = next(model.parameters()).dtype
+    t0 = time.perf_counter()
+    for query_lens, seq_lens in warmup_batches(arch.num_kv_heads, arch.num_heads // arch.num_kv_heads,
+                                               arch.head_dim, dtype, max_model_len, max_num_seqs,
+                                               max_num_batched_tokens):
+        dummy_forward(model, query_lens, seq_lens, backend)
+    return time.perf_counter() - t0

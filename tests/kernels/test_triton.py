@@ -33,7 +33,7 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 pytest.importorskip("triton")
 import kernels.triton_attention as triton_attention_mod
 import kernels.triton_cache as triton_cache_mod
-import kernels.triton_launch as triton_launch
+from kernels import triton_launch
 
 KERNELS_RUN_HERE = DEVICE == "cuda" or triton_attention_mod.is_interpreted()
 needs_kernels = pytest.mark.skipif(
@@ -448,3 +448,88 @@ def test_split_kv_long_single_sequence_fp16(monkeypatch):
     err_split = (got.float() - exact).abs().max().item()
     err_unsplit = (unsplit.float() - exact).abs().max().item()
     assert err_split <= 1.5 * err_unsplit + 1e-4, (err_split, err_unsplit)
+
+
+def _tiny_model(family: str, num_layers: int):
+    import models
+
+    arch = {
+        "qwen3": {"architectures": ["Qwen3ForCausalLM"]},
+        "gemma3": {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 24, "sliding_window_pattern": 2},
+    }[family]
+    arch.update(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=64, max_position_embeddings=4096)
+    return models.load_model(None, arch, torch.float32, DEVICE, random_weights=True)
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:model weights are RANDOM")
+@pytest.mark.parametrize("family,num_layers", [("qwen3", 1), ("qwen3", 3), ("gemma3", 4)])
+def test_launch_prepared_once_per_forward(family, num_layers, monkeypatch):
+    """Every layer reuses the forward's launch plan (Gemma 3's sliding and full layers included)."""
+    from engine.profiling import dummy_forward
+
+    model = _tiny_model(family, num_layers)
+    assert model.arch.num_layers == num_layers
+    assert family != "gemma3" or len(set(model.arch.layer_types)) == 2  # sliding and full layers
+    calls = []
+    prepare = triton_launch.prepare_launch
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(triton_launch, "prepare_launch", counting)
+    monkeypatch.setattr(triton_launch, "DEFAULT_POLICY", EAGER_SPLIT)
+    for query_lens, seq_lens in [([1, 1], [40, 7]), ([5, 1], [5, 60])]:  # decode-only, mixed: both split
+        calls.clear()
+        dummy_forward(model, query_lens, seq_lens, backend="triton")
+        assert len(calls) == 1
+
+
+def _record_launches(monkeypatch):
+    """Wrap the attention kernels so that each launch records (kernel, its compile-time arguments)."""
+    import kernels.triton_split_kv as split_mod
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, tuple(sorted(kwargs.items()))))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for mod, name in [(triton_attention_mod, "_paged_attention_kernel"), (split_mod, "_split_kv_decode_kernel"),
+                      (split_mod, "_reduce_segments_kernel")]:
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name), name))
+    return launches
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:model weights are RANDOM")
+def test_warm_up_launches_every_variant_a_run_uses(monkeypatch):
+    """The warm-up (run on CUDA before the first step) launches every compile-time variant that the
+    batches of a run with the same limits launch: decode-only, mixed, split-KV."""
+    from engine.profiling import dummy_forward, warm_up_kernels
+
+    model = _tiny_model("gemma3", 2)
+    launches = _record_launches(monkeypatch)
+    assert warm_up_kernels(model, max_model_len=600, max_num_seqs=8, max_num_batched_tokens=64, backend="triton") > 0
+    warmed = set(launches)
+    assert {name for name, _ in warmed} == {"_paged_attention_kernel", "_split_kv_decode_kernel",
+                                            "_reduce_segments_kernel"}
+    launches.clear()
+    run_batches = [  # (query_lens, seq_lens) within max_model_len 600, 8 sequences, 64 tokens a step
+        ([64], [64]), ([1] * 8, [600, 5, 40, 1, 300, 17, 2, 99]), ([30, 1, 1], [100, 550, 3]), ([1], [599]),
+        ([7, 1], [7, 520]), ([1, 1], [16, 33]), ([20, 44], [20, 600]),
+    ]
+    for query_lens, seq_lens in run_batches:
+        dummy_forward(model, query_lens, seq_lens, backend="triton")
+    used = set(launches)
+    assert any(name == "_split_kv_decode_kernel" for name, _ in used)
+    assert used <= warmed, used - warmed
