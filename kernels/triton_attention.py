@@ -12,7 +12,7 @@ The grid is (query tiles, KV heads). A program owns BLOCK_Q consecutive query to
 and ONE KV head, and processes all GROUP = H / Hkv query heads that share that KV head together: its
 tile has BLOCK_M = BLOCK_Q * GROUP rows (row r = token r // GROUP, head r % GROUP), so every key/value
 tile is loaded once per KV head and serves the whole head group (GQA without copies). BLOCK_M
-follows the longest query of the batch (see tile_config): a decode-only batch gets the smallest
+follows the longest query of the batch (see kernels/triton_launch.tile_config): a decode-only batch gets the smallest
 tile, the head group padded to tl.dot's 16 rows; batches with chunks get up to 32-64 rows, and their
 decodes ride in such a tile too (one kernel launch, masked spare rows).
 
@@ -31,6 +31,10 @@ see (tiles entirely before the window are skipped). Inside the range a mask appl
 the window per row. Scores are QK^T * scale, optionally soft-capped (cap * tanh(s / cap)) before
 masking, and folded in with an online softmax in fp32 (exp2 domain); tl.dot with fp32 accumulators
 for QK^T and PV (P is rounded to the input dtype for PV, as in FlashAttention).
+
+Small decode batches: when decode rows x KV heads are too few programs to fill the GPU, the launch
+plan (kernels/triton_launch.py, prepared once per forward) sends the decode rows to the split-KV
+kernels (kernels/triton_split_kv.py) and this kernel, told so by `skip_decodes`, leaves them alone.
 
 Head dims: any head_dim, padded to a power of two >= 16 (masked); 64/128/256 are the real ones.
 
