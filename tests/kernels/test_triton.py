@@ -362,6 +362,9 @@ def _run_split_case(seqs, heads, head_dim, block_size, window, softcap, dtype, p
     q, k, v, cache, meta = build_batch(seqs, block_size, num_heads, num_kv, head_dim, dtype, seed=seed)
     scale = head_dim**-0.5
     want = reference_attention(q, k, v, cache.clone(), meta, scale=scale, sliding_window=window, softcap=softcap)
+    if window is not None:  # the split kernel too must skip the key tiles before every window
+        block_n = triton_launch.tile_config(head_dim, num_heads // num_kv, 1, dtype)[2]
+        assert poison_skipped_tiles(cache, meta, window, block_n) > 0
     monkeypatch.setattr(triton_launch, "DEFAULT_POLICY", policy)
     got = triton_attention(q, k, v, cache, meta, scale=scale, sliding_window=window, softcap=softcap)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
