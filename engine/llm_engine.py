@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import time
 from collections.abc import Sequence
 
@@ -15,11 +16,15 @@ from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
+from engine.profiling import compile_forward
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,6 +72,10 @@ class LLMEngine:
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
+        self.compile_seconds: float | None = None  # model.compile: the warm-up's compile time, once
+        if mc.compile:
+            self.compile_seconds = compile_forward(self.model, mc.attention_backend)
+            log.info("compiled forward in %.1f s", self.compile_seconds)
         self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.vocab_size = arch.vocab_size
         self.kv = KVCacheManager(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, attention
+from models.attention_op import attention_op
 from models.config import ModelArch
 
 ACTIVATIONS = {
@@ -103,6 +104,10 @@ class RotaryEmbedding:
             table = self._tables[key] = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return table
 
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Build the table for max_positions now (a compiled forward must find it built)."""
+        self._table(self.max_positions, device, dtype)
+
     def __call__(
         self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +175,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.layer = layer
         self.scale = arch.attention_scale
         self.sliding_window = arch.window(layer)
         self.softcap = arch.attn_logit_softcapping
@@ -178,9 +184,11 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata | None,
     ) -> torch.Tensor:
+        """meta=None (the compiled forward): attention through the `ladle::attention` custom op, which
+        reads this layer's cache and the step's metadata from the forward context (models/attention_op.py)."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -199,14 +207,19 @@ class Attention(nn.Module):
             )
             qk = self.q_norm.with_weight(qk, weight)
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention(
-            q,
-            k,
-            v,
-            kv_cache,
-            meta,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            softcap=self.softcap,
-        )
+        if meta is None:
+            out = attention_op(
+                q, k, v, self.layer, self.scale, self.sliding_window or -1, self.softcap or 0.0
+            )
+        else:
+            out = attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                meta,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+            )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
