@@ -16,13 +16,12 @@ from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
-from engine.profiling import compile_forward
 from engine.model_runner import ModelRunner
+from engine.profiling import compile_forward
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +175,7 @@ class LLMEngine:
         parts = {
             "arch": repr(self.arch), "dtype": str(self.dtype), "device": str(self.device),
             "backend": self.config.model.attention_backend, "threads": torch.get_num_threads(),
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.max_model_len, "compile": self.config.model.compile,
         }
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         return f"{self.config.model.name}|{digest}"

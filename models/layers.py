@@ -120,7 +120,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [T, H, D] by HF's rotate_half convention: x * cos + cat(-x2, x1) * sin, where
     cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin, sin) (the signed table RotaryEmbedding returns)."""
     # Not addcmul: it rounds once where HF rounds twice, and bf16 must stay bit-identical to HF.
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    half = x.shape[-1] // 2
+    # roll(x, D/2) as one cat of the halves: roll guards on the token count (a compile recompile).
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class PackedLinear(nn.Linear):

@@ -68,9 +68,9 @@ class CausalLM(nn.Module):
         """Run the forward through torch.compile from now on (inductor: C++ on CPU, Triton on CUDA).
 
         One graph per forward (attention is the `ladle::attention` custom op, fullgraph=True makes a
-        break an error), with the token count dynamic: a forward of any width >= 2 reuses one graph and a
-        1-token forward gets its own (dynamo specialises size 1), so a run compiles at most twice. The
-        compile itself happens on the first call of each kind: call it in a warm-up before timing."""
+        break an error) and one graph per run: the token count is a symbol nothing guards on, so every
+        width reuses it. The compile itself happens on the first call: make it in a warm-up before
+        timing (engine/profiling.compile_forward)."""
         param = next(self.parameters())
         for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
             rope.prepare(param.device, param.dtype)
@@ -89,9 +89,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         if self._compiled is None:
             return self._forward(input_ids, positions, kv_caches, meta)
-        if input_ids.shape[0] >= 2:  # token count dynamic from the first compile (no per-width graphs)
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
+        # The token count is unbacked: no guard on it at all, so every width, 1 included, is one graph
+        # (a merely dynamic size is specialised at 1 and would compile a second graph).
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
         # The metadata and caches reach the attention op through the context, never as graph inputs.
         with attention_context(meta, kv_caches):
             return self._compiled(input_ids, positions)
