@@ -9,10 +9,12 @@ Each (threads, mode) configuration runs in its own subprocess (torch's thread co
 count inductor compiles its C++ for, are per process). In it, every model forward and LM-head call of
 the run is timed (the run's `ModelRunner` calls go through a timing proxy; on the CPU no sync is
 needed), with its token count. Then, in the same process at the same thread count, torch.matmul (as
-F.linear) of the decoder layer's four weight shapes (qkv, o, gate_up, down) is timed at each token
-count the run used, and the LM head's at each sampled-row count. The GEMM reference time of the run is
-sum over forwards of layers x (the four GEMMs at that width) + the LM head's GEMM: what the forward
-would cost if it were nothing but torch's matmuls. Reported:
+F.linear) of the decoder layer's four weight shapes (qkv, o, gate_up, down) is timed right after
+every step at the token count of each of its forwards, and the LM head's at its sampled-row count
+(interleaved with the steps, so the reference sees the same machine load as the forward it stands
+for; its time is left out of the run's wall time). The GEMM reference time of the run is the sum over
+forwards of layers x (the four GEMMs at that width) + the LM head's GEMM: what the forward would cost
+if it were nothing but torch's matmuls. Reported:
 
 - forward GFLOP/s = matmul FLOPs of the run (2 x tokens x weight elements, decoder and LM head;
   attention's own FLOPs not counted) / seconds in forwards;
@@ -71,20 +73,31 @@ def layer_shapes(arch: dict) -> list[tuple[int, int]]:
     return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
 
 
-def gemm_seconds(shapes: list[tuple[int, int]], tokens: int, reps: int) -> float:
-    """Median seconds of F.linear(x[tokens, in], w[out, in]) summed over `shapes` (fresh fp32 tensors)."""
-    total = 0.0
-    for out_f, in_f in shapes:
-        w = torch.randn(out_f, in_f)
-        x = torch.randn(tokens, in_f)
-        F.linear(x, w)  # first call: allocation, kernel selection
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            F.linear(x, w)
-            times.append(time.perf_counter() - t0)
-        total += bu.median(times)
-    return total
+class GemmReference:
+    """torch's own matmuls (F.linear, fp32) on the layer's and the LM head's weight shapes, timed at a
+    given token count. Weights are made once; inputs are row slices of one random buffer."""
+
+    def __init__(self, shapes: list[tuple[int, int]], head: tuple[int, int], max_tokens: int):
+        self.layer = [torch.randn(o, i) for o, i in shapes]
+        self.head = torch.randn(*head)
+        widest = max(i for _, i in [*shapes, head])
+        self.x = {i: torch.randn(max_tokens, i) for i in {i for _, i in [*shapes, head]}}
+        assert widest in self.x
+        for n in (1, max_tokens):  # first calls: allocation, kernel selection
+            self.layer_seconds(n)
+            self.head_seconds(n)
+
+    def _time(self, w: torch.Tensor, n: int) -> float:
+        x = self.x[w.shape[1]][:n]
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        return time.perf_counter() - t0
+
+    def layer_seconds(self, n: int) -> float:
+        return sum(self._time(w, n) for w in self.layer)
+
+    def head_seconds(self, n: int) -> float:
+        return self._time(self.head, n)
 
 
 def run_one(args) -> dict:
@@ -113,33 +126,39 @@ def run_one(args) -> dict:
     build_s = time.perf_counter() - t0
     timed = TimedModel(eng.model)
     eng.runner.model = timed
+    shapes = layer_shapes(arch)
+    layers, hidden, vocab = arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"]
+    ref = GemmReference(shapes, (vocab, hidden), args.token_budget)
     graphs_before = counters["stats"]["unique_graphs"]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     ids = [eng.add_request(p, sp) for p in prompts]
     done, steps = {}, []
+    gemm_s = ref_s = 0.0
     t0 = time.perf_counter()
     while eng.has_unfinished_requests():
+        nf, nh = len(timed.forwards), len(timed.heads)
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
         steps.append(eng.last_step.duration)
-    wall = time.perf_counter() - t0
+        # The reference right after the step, under the same load: one layer's GEMMs x layers.
+        r0 = time.perf_counter()
+        gemm_s += sum(layers * ref.layer_seconds(n) for n, _ in timed.forwards[nf:])
+        gemm_s += sum(ref.head_seconds(n) for n, _ in timed.heads[nh:])
+        ref_s += time.perf_counter() - r0
+    wall = time.perf_counter() - t0 - ref_s
     outputs = [done[i].output_token_ids for i in ids]
     graphs_during = counters["stats"]["unique_graphs"] - graphs_before
 
-    shapes = layer_shapes(arch)
-    layers, hidden, vocab = arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"]
-    gemm_at = {n: gemm_seconds(shapes, n, args.gemm_reps) for n in sorted({n for n, _ in timed.forwards})}
-    head_at = {n: gemm_seconds([(vocab, hidden)], n, args.gemm_reps) for n in sorted({n for n, _ in timed.heads})}
     weights = sum(o * i for o, i in shapes)
     flops = (sum(2 * n * weights * layers for n, _ in timed.forwards)
              + sum(2 * n * vocab * hidden for n, _ in timed.heads))
     forward_s = sum(s for _, s in timed.forwards) + sum(s for _, s in timed.heads)
-    gemm_s = sum(layers * gemm_at[n] for n, _ in timed.forwards) + sum(head_at[n] for n, _ in timed.heads)
+    widths = {n for n, _ in timed.forwards}
     return {
         "mode": args.mode, "threads": threads, "wall_s": wall, "build_s": build_s,
         "compile_s": eng.compile_seconds, "forward_s": forward_s, "gemm_s": gemm_s, "gflop": flops / 1e9,
-        "forwards": len(timed.forwards), "distinct_widths": len(gemm_at), "steps": len(steps),
+        "forwards": len(timed.forwards), "distinct_widths": len(widths), "steps": len(steps),
         "first_step_s": steps[0], "median_step_s": bu.median(steps), "max_step_s": max(steps),
         "graphs_compiled_during_run": graphs_during, "outputs": outputs,
         "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": args.output_len * len(prompts),
@@ -161,7 +180,6 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--init-std", type=float, default=0.1)
-    ap.add_argument("--gemm-reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads-list", default="1,2", help="thread counts to compare")
     ap.add_argument("--modes", default="eager,compiled")
@@ -224,8 +242,8 @@ def main() -> None:
         flags = " --quick" if args.quick else ""
         body = "\n".join([
             (f"Command: `.venv/bin/python benchmarks/forward_efficiency.py{flags} --write-docs` (each configuration "
-            "in its own process; every ratio is taken inside one process: the GEMM reference is measured "
-            "right after that process's run, at its thread count)."),
+            "in its own process; the GEMM reference is timed in the same process, at the same thread count, "
+            "right after each step of the run)."),
             "",
             f"- Model: {bu.describe_arch(r0['arch'])} (initializer_range {args.init_std}), fp32, CPU.",
             (f"- Workload (throughput_vs_transformers', smaller): {args.num_requests} requests at t=0, prompt "

@@ -34,15 +34,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_weight(x, self.weight)
+    def derive_weights(self) -> None:
+        """Gemma's (1 + weight) in float32, computed once the weights are final instead of per call
+        (one op less per norm; the same values HF computes each time). A non-persistent buffer: it
+        follows .to(device) and stays out of the state dict."""
+        if self.offset:
+            self.register_buffer("scale", 1.0 + self.weight.float(), persistent=False)
 
-    def with_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This norm with another weight broadcastable over x (q and k heads normed in one go)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_weight(x, self.weight, getattr(self, "scale", None))
+
+    def with_weight(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This norm with another weight broadcastable over x (q and k heads normed in one go).
+        scale: the offset variant's (1 + weight) in float32 when derive_weights made it."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (xf * (1.0 + weight.float())).to(x.dtype)
+            return (xf * (1.0 + weight.float() if scale is None else scale)).to(x.dtype)
         return weight * xf.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +192,21 @@ class Attention(nn.Module):
         self.sliding_window = arch.window(layer)
         self.softcap = arch.attn_logit_softcapping
 
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """[Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each KV head."""
+        return torch.cat(
+            (self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))
+        )
+
+    def derive_weights(self) -> None:
+        """The per-head q/k norm weight (and Gemma's 1 + it) built once the weights are final, not per
+        forward: one or two ops less per layer."""
+        if self.q_norm is not None:
+            weight = self._qk_norm_weight()
+            self.register_buffer("qk_norm_weight", weight, persistent=False)
+            if self.q_norm.offset:
+                self.register_buffer("qk_norm_scale", 1.0 + weight.float(), persistent=False)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -201,13 +226,10 @@ class Attention(nn.Module):
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             # One norm over all q and k heads, each head scaled by its own projection's weight.
-            weight = torch.cat(
-                (
-                    self.q_norm.weight.expand(self.num_heads, -1),
-                    self.k_norm.weight.expand(self.num_kv_heads, -1),
-                )
-            )
-            qk = self.q_norm.with_weight(qk, weight)
+            weight = getattr(self, "qk_norm_weight", None)
+            if weight is None:
+                weight = self._qk_norm_weight()
+            qk = self.q_norm.with_weight(qk, weight, getattr(self, "qk_norm_scale", None))
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         if meta is None:
             out = attention_op(

@@ -64,6 +64,14 @@ class CausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def derive_weights(self) -> None:
+        """Precompute what the forward would otherwise derive from the weights on every call (Gemma's
+        1 + norm weight, the per-head q/k norm weight). The loader calls it once the weights are final;
+        call it again after changing weights by hand."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "derive_weights"):
+                module.derive_weights()
+
     def enable_compile(self) -> None:
         """Run the forward through torch.compile from now on (inductor: C++ on CPU, Triton on CUDA).
 
