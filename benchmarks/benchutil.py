@@ -31,6 +31,7 @@ SECTIONS = [
     ("summary", "Targets at a glance"),
     ("itl_stability", "1. ITL stability: chunked vs unchunked prefill under Poisson long-prompt arrivals"),
     ("throughput_vs_transformers", "2. Offline throughput: ladle vs transformers continuous batching"),
+    ("forward_efficiency", "2b. Forward efficiency: FLOP/s vs torch GEMM, eager vs compiled, 1 vs 2 threads"),
     ("step_breakdown", "3. Step breakdown: where a step's time goes"),
     ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
     ("gpu", "GPU"),

@@ -32,6 +32,7 @@ class ModelConfig:
     device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
     seed: int = 0  # random-weight initialisation
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+    compile: bool = False  # run the forward through torch.compile (compiled once in a warm-up at start)
 
     def validate(self) -> None:
         _check(self.path is not None or self.architecture is not None, "model.path", self.path,
@@ -42,6 +43,7 @@ class ModelConfig:
                "model.device", self.device, "auto, cpu, cuda or cuda:N")
         _check(self.attention_backend in ("auto", "triton", "torch"), "model.attention_backend",
                self.attention_backend, "one of auto, triton, torch")
+        _check(isinstance(self.compile, bool), "model.compile", self.compile, "true or false")
 
 
 @dataclass

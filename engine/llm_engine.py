@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import time
 from collections.abc import Sequence
 
@@ -16,12 +17,14 @@ from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
-from engine.profiling import warm_up_kernels
+from engine.profiling import compile_forward, warm_up_kernels
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from kernels import get_backend
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -73,6 +76,10 @@ class LLMEngine:
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
+        self.compile_seconds: float | None = None  # model.compile: the warm-up's compile time, once
+        if mc.compile:
+            self.compile_seconds = compile_forward(self.model, mc.attention_backend)
+            log.info("compiled forward in %.1f s", self.compile_seconds)
         self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.vocab_size = arch.vocab_size
         self.kv = KVCacheManager(
@@ -173,7 +180,7 @@ class LLMEngine:
         parts = {
             "arch": repr(self.arch), "dtype": str(self.dtype), "device": str(self.device),
             "backend": self.config.model.attention_backend, "threads": torch.get_num_threads(),
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.max_model_len, "compile": self.config.model.compile,
         }
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         return f"{self.config.model.name}|{digest}"

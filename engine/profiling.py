@@ -16,6 +16,7 @@ from kernels import AttentionMetadata
 BLOCK = 16
 
 
+@torch.inference_mode()  # inputs made as the model runner makes them (a compiled forward guards on it)
 def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[int],
                   backend: str = "auto") -> float:
     """Run one forward where sequence i computes its last query_lens[i] of seq_lens[i] tokens (earlier
@@ -39,11 +40,19 @@ def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        hidden = model(ids, pos, caches, meta)
-        model.compute_logits(hidden[meta.logits_indices])
+    hidden = model(ids, pos, caches, meta)
+    model.compute_logits(hidden[meta.logits_indices])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def compile_forward(model: torch.nn.Module, backend: str = "auto") -> float:
+    """Switch `model` to its compiled forward and compile it now, with a dummy forward (its one graph
+    serves every width), so no timed step ever waits for the compiler. Returns seconds."""
+    t0 = time.perf_counter()
+    model.enable_compile()
+    dummy_forward(model, [2, 1], [3, 2], backend)
     return time.perf_counter() - t0
 
 

@@ -145,13 +145,18 @@ def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
-def _decode_attention(q, k_rows, v_rows, d: _DecodePlan, num_kv: int, scale, softcap) -> torch.Tensor:
+def _gather_kv(kv_rows: torch.Tensor, rows_idx: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):
+    """Keys and values at `rows_idx` of both cache planes in one gather, each viewed as `shape`."""
+    kv = kv_rows.index_select(1, rows_idx)
+    return kv[0].view(shape).to(dtype), kv[1].view(shape).to(dtype)
+
+
+def _decode_attention(q, kv_rows, d: _DecodePlan, num_kv: int, scale, softcap) -> torch.Tensor:
     """q [n, H, D] of the bucket's decodes -> [n, H, D]."""
     n, num_heads, head_dim = q.shape
     # GQA without copying KV: the `group` query heads sharing a KV head become its query rows.
     qd = q.reshape(n, num_kv, num_heads // num_kv, head_dim)
-    kd = k_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
-    vd = v_rows.index_select(0, d.rows_idx).view(n, num_kv, d.width, head_dim).to(q.dtype)
+    kd, vd = _gather_kv(kv_rows, d.rows_idx, (n, num_kv, d.width, head_dim), q.dtype)
     return _sdpa(qd, kd, vd, d.mask, scale, softcap).reshape(n, num_heads, head_dim)
 
 
@@ -174,19 +179,17 @@ def reference_attention(
     plan = meta.cache.get(key)
     if plan is None:
         plan = meta.cache[key] = _build_plan(meta, sliding_window, num_kv)
-    k_rows = kv_cache[0].view(-1, head_dim)  # row = slot * Hkv + kv head
-    v_rows = kv_cache[1].view(-1, head_dim)
+    kv_rows = kv_cache.view(2, -1, head_dim)  # [k|v, row = slot * Hkv + kv head, D]
     if len(plan.decodes) == 1 and plan.decodes[0].every_row:
         # The whole batch is one decode bucket: q is read and the output returned as they are.
-        return _decode_attention(q, k_rows, v_rows, plan.decodes[0], num_kv, scale, softcap)
+        return _decode_attention(q, kv_rows, plan.decodes[0], num_kv, scale, softcap)
     out = torch.empty_like(q)
     for d in plan.decodes:
-        out[d.rows] = _decode_attention(q[d.rows], k_rows, v_rows, d, num_kv, scale, softcap)
+        out[d.rows] = _decode_attention(q[d.rows], kv_rows, d, num_kv, scale, softcap)
     for c in plan.chunks:
         q_len = c.end - c.start
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        kc = k_rows.index_select(0, c.rows_idx).view(1, num_kv, c.width, head_dim).to(q.dtype)
-        vc = v_rows.index_select(0, c.rows_idx).view(1, num_kv, c.width, head_dim).to(q.dtype)
+        kc, vc = _gather_kv(kv_rows, c.rows_idx, (1, num_kv, c.width, head_dim), q.dtype)
         if c.mask is None:
             oc = _sdpa(qc, kc, vc, None, scale, softcap, is_causal=True)
         else:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, attention
+from models.attention_op import attention_op
 from models.config import ModelArch
 
 ACTIVATIONS = {
@@ -33,15 +34,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_weight(x, self.weight)
+    def derive_weights(self) -> None:
+        """Gemma's (1 + weight) in float32, computed once the weights are final instead of per call
+        (one op less per norm; the same values HF computes each time). A non-persistent buffer: it
+        follows .to(device) and stays out of the state dict."""
+        if self.offset:
+            self.register_buffer("scale", 1.0 + self.weight.float(), persistent=False)
 
-    def with_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This norm with another weight broadcastable over x (q and k heads normed in one go)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_weight(x, self.weight, getattr(self, "scale", None))
+
+    def with_weight(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This norm with another weight broadcastable over x (q and k heads normed in one go).
+        scale: the offset variant's (1 + weight) in float32 when derive_weights made it."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (xf * (1.0 + weight.float())).to(x.dtype)
+            return (xf * (1.0 + weight.float() if scale is None else scale)).to(x.dtype)
         return weight * xf.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +114,10 @@ class RotaryEmbedding:
             table = self._tables[key] = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return table
 
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Build the table for max_positions now (a compiled forward must find it built)."""
+        self._table(self.max_positions, device, dtype)
+
     def __call__(
         self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +130,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [T, H, D] by HF's rotate_half convention: x * cos + cat(-x2, x1) * sin, where
     cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin, sin) (the signed table RotaryEmbedding returns)."""
     # Not addcmul: it rounds once where HF rounds twice, and bf16 must stay bit-identical to HF.
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    half = x.shape[-1] // 2
+    # roll(x, D/2) as one cat of the halves: roll guards on the token count (a compile recompile).
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class PackedLinear(nn.Linear):
@@ -170,17 +187,35 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.layer = layer
         self.scale = arch.attention_scale
         self.sliding_window = arch.window(layer)
         self.softcap = arch.attn_logit_softcapping
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """[Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each KV head."""
+        return torch.cat(
+            (self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))
+        )
+
+    def derive_weights(self) -> None:
+        """The per-head q/k norm weight (and Gemma's 1 + it) built once the weights are final, not per
+        forward: one or two ops less per layer."""
+        if self.q_norm is not None:
+            weight = self._qk_norm_weight()
+            self.register_buffer("qk_norm_weight", weight, persistent=False)
+            if self.q_norm.offset:
+                self.register_buffer("qk_norm_scale", 1.0 + weight.float(), persistent=False)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata | None,
     ) -> torch.Tensor:
+        """meta=None (the compiled forward): attention through the `ladle::attention` custom op, which
+        reads this layer's cache and the step's metadata from the forward context (models/attention_op.py)."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -191,22 +226,24 @@ class Attention(nn.Module):
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             # One norm over all q and k heads, each head scaled by its own projection's weight.
-            weight = torch.cat(
-                (
-                    self.q_norm.weight.expand(self.num_heads, -1),
-                    self.k_norm.weight.expand(self.num_kv_heads, -1),
-                )
-            )
-            qk = self.q_norm.with_weight(qk, weight)
+            weight = getattr(self, "qk_norm_weight", None)
+            if weight is None:
+                weight = self._qk_norm_weight()
+            qk = self.q_norm.with_weight(qk, weight, getattr(self, "qk_norm_scale", None))
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention(
-            q,
-            k,
-            v,
-            kv_cache,
-            meta,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            softcap=self.softcap,
-        )
+        if meta is None:
+            out = attention_op(
+                q, k, v, self.layer, self.scale, self.sliding_window or -1, self.softcap or 0.0
+            )
+        else:
+            out = attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                meta,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+            )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -204,6 +204,7 @@ def load_model(
         )
     if files:
         load_weights(model, files)
+        model.derive_weights()
         return model
     why = "model.path is null" if path is None else "model.random_weights=true"
     warnings.warn(
@@ -213,6 +214,7 @@ def load_model(
         stacklevel=2,
     )
     init_random(model, seed)
+    model.derive_weights()
     return model
 
 

@@ -12,10 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata
+from models.attention_op import attention_context
 from models.config import ModelArch
 from models.gemma3 import Gemma3DecoderLayer
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaDecoderLayer
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 LAYER_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaDecoderLayer,
@@ -48,12 +51,42 @@ class CausalLM(nn.Module):
             for t, p in arch.rope_parameters.items()
         }
         self._layer_types = list(arch.layer_types)
-        # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype first (as HF does).
-        self._embed_scale = arch.hidden_size**0.5 if arch.family == "gemma3" else None
+        # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype first (as HF does): a
+        # Python float per dtype, computed here so the forward holds no .item() (a compile graph break).
+        self._embed_scale = (
+            {dt: torch.tensor(arch.hidden_size**0.5, dtype=dt, device="cpu").item() for dt in _FLOAT_DTYPES}
+            if arch.family == "gemma3"
+            else None
+        )
+        self._compiled = None  # the torch.compile'd _forward once enable_compile() ran
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def derive_weights(self) -> None:
+        """Precompute what the forward would otherwise derive from the weights on every call (Gemma's
+        1 + norm weight, the per-head q/k norm weight). The loader calls it once the weights are final;
+        call it again after changing weights by hand."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "derive_weights"):
+                module.derive_weights()
+
+    def enable_compile(self) -> None:
+        """Run the forward through torch.compile from now on (inductor: C++ on CPU, Triton on CUDA).
+
+        One graph per forward (attention is the `ladle::attention` custom op, fullgraph=True makes a
+        break an error) and one graph per run: the token count is a symbol nothing guards on, so every
+        width reuses it. The compile itself happens on the first call: make it in a warm-up before
+        timing (engine/profiling.compile_forward)."""
+        param = next(self.parameters())
+        for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
+            rope.prepare(param.device, param.dtype)
+        self._compiled = torch.compile(self._forward, fullgraph=True)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def forward(
         self,
@@ -62,14 +95,33 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self._compiled is None:
+            return self._forward(input_ids, positions, kv_caches, meta)
+        # The token count is unbacked: no guard on it at all, so every width, 1 included, is one graph
+        # (a merely dynamic size is specialised at 1 and would compile a second graph).
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        # The metadata and caches reach the attention op through the context, never as graph inputs.
+        with attention_context(meta, kv_caches):
+            return self._compiled(input_ids, positions)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """The forward; meta=None is the compiled form (attention reads the forward context)."""
         x = self.model.embed_tokens(input_ids)
         if self._embed_scale is not None:
-            x = x * torch.tensor(self._embed_scale, dtype=x.dtype).item()
-        max_len = max(meta.max_seq_len, 1)
+            x = x * self._embed_scale[x.dtype]
+        max_len = 1 if meta is None else max(meta.max_seq_len, 1)
         ropes = {t: rope(positions, max_len, x.dtype) for t, rope in self.rope.items()}
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, ropes[self._layer_types[i]], kv_caches[i], meta)
+            cache = None if kv_caches is None else kv_caches[i]
+            x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

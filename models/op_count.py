@@ -89,3 +89,46 @@ def decode_ops_per_layer(model, context_lens: list[int], block_size: int = 16) -
     ids = torch.arange(3, 3 + len(seq_lens), device=param.device)
     positions = torch.tensor(context_lens, device=param.device)
     return ops_per_layer(model, ids, positions, caches, meta)
+
+
+def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int = 16) -> dict[str, float]:
+    """What a compiled decode forward launches, from inductor's generated code: fused kernels
+    (`cpp_fused_*` on CPU, Triton kernels on CUDA), library calls (`extern_kernels.mm`/`addmm`) and the
+    attention custom op, per decoder layer (the graph's total / layers, so the embedding and the final
+    norm are spread over the layers: an upper bound). The attention op runs its own eager ops inside.
+
+    Compiles afresh: it resets dynamo (every compiled function in the process recompiles on its next
+    call), so call it from a benchmark or test, never next to a running engine."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from kernels import AttentionMetadata
+
+    param = next(model.parameters())
+    a = model.arch
+    per_seq = max(context_lens) // block_size + 1
+    shape = (2, per_seq * len(context_lens) + 1, block_size, a.num_kv_heads, a.head_dim)
+    caches = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(a.num_layers)]
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(context_lens))]
+    seq_lens = [n + 1 for n in context_lens]
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, device=param.device)
+    ids = torch.arange(3, 3 + len(seq_lens), device=param.device)
+    positions = torch.tensor(context_lens, device=param.device)
+    torch._dynamo.reset()
+    if not model.compiled:
+        model.enable_compile()
+    with torch.inference_mode():
+        _, codes = run_and_get_code(model, ids, positions, caches, meta)
+    calls = Counter()
+    for code in codes:
+        body = code.split("def call(", 1)[-1]
+        for name in re.findall(r"^\s+(?:\w+ = )?([\w.]+)(?:\.run)?\(", body, re.MULTILINE):
+            if name.startswith(("cpp_fused", "triton_")):
+                calls["fused"] += 1
+            elif name.startswith("extern_kernels."):
+                calls["library"] += 1
+            elif name.startswith("torch.ops.ladle.attention"):
+                calls["attention"] += 1
+    n = a.num_layers
+    return {"kernels": sum(calls.values()) / n, **{k: v / n for k, v in calls.items()}}

@@ -208,6 +208,7 @@ class Job:
             "kv_blocks_total": _call(eng, "num_total_blocks"),
             "memory_plan_gib": _memory_plan(eng),
             "cpu_threads": threads,
+            "compile_s": getattr(eng, "compile_seconds", None),  # model.compile: the warm-up's, once
             "arrival_calibration": _calibration(loop, source),
             "resumed": loop.resumed,
             "complete": not interrupted,

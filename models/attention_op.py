@@ -1,0 +1,68 @@
+"""The attention op as one opaque torch custom op, so a compiled forward is one graph, not one per layer.
+
+torch.compile cannot trace the attention kernels (the reference plans its gathers from host lists; the
+Triton kernel is launched from Python), and a graph break per layer would cost a compiled region per
+layer. So the compiled forward calls `torch.ops.ladle.attention(q, k, v, layer, scale, window, softcap)`:
+tensors and per-layer constants only. The step's metadata and the KV caches are not arguments: the
+caller puts them in a forward context (`attention_context`) around the compiled call, and the op reads
+them from there (vLLM's forward context does the same). Nothing that changes per step reaches the
+graph as a Python value, so nothing is guarded per step, and the KV cache write is a side effect the
+graph does not see (no functionalised copy of the cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata, attention
+
+
+@dataclass(slots=True)
+class _ForwardContext:
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+
+
+_context: _ForwardContext | None = None
+
+
+@contextmanager
+def attention_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+    """Make `meta` and the per-layer caches what `ladle::attention` reads inside this block."""
+    global _context
+    previous, _context = _context, _ForwardContext(meta, kv_caches)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+@torch.library.custom_op("ladle::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int, softcap: float
+) -> torch.Tensor:
+    """kernels.attention on layer `layer`'s cache with the context's metadata. window <= 0 means none,
+    softcap == 0 means none (custom op schemas take no Optional scalars the compiler keeps constant)."""
+    if _context is None:
+        raise RuntimeError("ladle::attention called outside attention_context(meta, kv_caches)")
+    out = attention(
+        q,
+        k,
+        v,
+        _context.kv_caches[layer],
+        _context.meta,
+        scale=scale,
+        sliding_window=window if window > 0 else None,
+        softcap=softcap if softcap != 0 else None,
+    )
+    # The compiled graph is built for the fake's layout (contiguous): never hand it other strides.
+    return out.contiguous()
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, layer, scale, window, softcap):
+    return q.new_empty(q.shape)

@@ -1,0 +1,124 @@
+"""model.compile: the torch.compile'd forward gives the same greedy tokens as eager and transformers, in
+one graph for every step width, compiled in the engine's warm-up (never inside a step).
+
+Runs in CI on the CPU (inductor generates C++; gcc is needed). Tiny models keep each compile to a few
+seconds; inductor's on-disk cache makes every compile of a graph already built almost free.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from tests.conftest import build_tiny_hf_model
+from tests.engine.helpers import GREEDY, hf_greedy, random_prompt
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = [1, 7, 17, 40]  # a 1-token prefill; prompts within, at and across the chunk of 16
+
+
+def make_engine(path, compile: bool, backend: str = "paged", max_num_seqs: int = 8, **chunking) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(path=str(path), dtype="float32", device="cpu", compile=compile),
+            cache=CacheConfig(backend=backend, max_model_len=512),
+            chunking=ChunkingConfig(**chunking),
+            max_num_seqs=max_num_seqs,
+        )
+    )
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    cache = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            model = build_tiny_hf_model(family)
+            cache[family] = [hf_greedy(model, random_prompt(n, seed=n)) for n in LENGTHS]
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_compiled_greedy_equals_eager_and_transformers(tiny_hf_model_dir, hf_reference, family, backend):
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    compiled = make_engine(tiny_hf_model_dir(family), True, backend, size=16)
+    assert compiled.model.compiled and compiled.compile_seconds is not None
+    eager = make_engine(tiny_hf_model_dir(family), False, backend, size=16)
+    assert not eager.model.compiled
+    got = [o.output_token_ids for o in compiled.generate(prompts, GREEDY)]
+    assert got == [o.output_token_ids for o in eager.generate(prompts, GREEDY)]
+    assert got == hf_reference(family)
+
+
+def test_one_graph_for_every_width_and_no_compile_inside_steps(tiny_hf_model_dir):
+    """200+ steps whose widths vary (1-token prefills, chunks, ragged decode batches, ubatch cuts):
+    no step compiles (the 1-token width included: the token count is unbacked, never specialised)."""
+    eng = make_engine(tiny_hf_model_dir("qwen3"), True, max_num_seqs=5, size=13, ubatch=9)
+    before = graphs_compiled()
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 1, 2, 3] + torch.randint(1, 60, (26,), generator=g).tolist()
+    for i, n in enumerate(lengths):
+        eng.add_request(random_prompt(n, seed=i), SamplingParams(max_tokens=int(5 + 13 * (i % 5)),
+                                                                 temperature=0.0, ignore_eos=True))
+    widths, steps = set(), 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        widths.add(eng.last_step.decode_tokens + eng.last_step.prefill_tokens)
+    assert steps >= 200 and len(widths) >= 5, (steps, widths)
+    # No step compiled anything: the one graph was ready before the first step (the warm-up built it,
+    # or an earlier engine of this architecture in this process did: instances share it).
+    assert graphs_compiled() == before, "a step compiled a graph: the warm-up should have made the only one"
+
+
+def test_compiles_without_triton(tiny_hf_model_dir):
+    """On a CPU-only install (no triton package) the compiled forward still builds and runs."""
+    path = tiny_hf_model_dir("llama")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["triton"] = None  # import triton -> ImportError, as on a machine without it
+        from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+        eng = LLMEngine(EngineConfig(model=ModelConfig(path={str(path)!r}, dtype="float32", device="cpu",
+                                                       compile=True), cache=CacheConfig(max_model_len=64)))
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert eng.model.compiled and len(out[0].output_token_ids) == 4, out
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         check=False)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_compiled_decode_launches_fewer_kernels_per_layer(family):
+    """Inductor's graph per decoder layer: 4 matmuls, the attention op and ~4 fused kernels for every
+    norm, residual add, RoPE and activation (eager: 29 / 36 / 53 aten ops)."""
+    from models import load_model
+    from models.op_count import compiled_kernels_per_layer, decode_ops_per_layer
+    from tests.conftest import TINY_HF_MODELS
+
+    cls = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    model = load_model(None, {"architectures": [cls], **TINY_HF_MODELS[family][1]}, torch.float32, "cpu")
+    eager = decode_ops_per_layer(model, [40, 35, 33])["compute"]
+    compiled = compiled_kernels_per_layer(model, [40, 35, 33])
+    assert compiled["library"] == 4 and compiled["attention"] == 1, compiled
+    assert compiled["kernels"] <= 10 < eager, (compiled, eager)
