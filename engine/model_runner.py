@@ -3,7 +3,8 @@
 All scheduled tokens (decodes and prefill chunks of many requests) go through ONE forward, unless
 chunking.ubatch caps the physical width: then the step's tokens are cut, in order, into forwards of
 at most ubatch tokens. A chunk cut in two is just two consecutive pieces of the same sequence; the
-second sees the first's keys in the cache. The LM head runs only on rows that sample.
+second sees the first's keys in the cache. The LM head runs only on rows that sample, and on the
+prefill positions of requests that ask for prompt logprobs (engine/logprobs.py), a few rows at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCacheManager
+from engine.logprobs import TopK, token_logprobs
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from kernels import AttentionMetadata
 
@@ -50,6 +53,7 @@ class ModelRunner:
         device: torch.device,
         ubatch: int | None,
         attention_backend: str = "auto",
+        logprob_vocab: int | None = None,
     ):
         self.model = model
         self.attention_backend = attention_backend
@@ -58,12 +62,17 @@ class ModelRunner:
         self.ubatch = ubatch
         self.num_forwards = 0  # of the last step
         self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
+        # Prompt logprobs of the last step: (request, index of the first prompt position, logprobs,
+        # top-k), in step order; the engine appends them once the step succeeded.
+        self.prompt_logprobs: list[tuple[Request, int, list[float], list[TopK]]] = []
+        self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; returns float32 logits [S, vocab], one row per sampling request in order."""
         rows: list[torch.Tensor] = []
         self.prepare_time = 0.0
+        self.prompt_logprobs = []
         forwards = split_into_forwards(scheduled, self.ubatch)
         for pieces in forwards:
             logits = self._forward(pieces)
@@ -79,10 +88,17 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_indices = [], [], [], []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # request, first batch row, positions [lo, hi)
         for p in pieces:
             req = p.item.request
             end = p.start + p.num_tokens
             prompt_len = req.num_prompt_tokens
+            if req.needs_prompt_logprobs:
+                # Position i predicts prompt[i + 1]; positions whose logprob exists (from before a
+                # preemption) are skipped, and the last prompt position is the sampling row.
+                lo, hi = max(p.start, len(req.prompt_logprobs) - 1), min(end, prompt_len - 1)
+                if lo < hi:
+                    prompt_rows.append((req, len(input_ids) + lo - p.start, lo, hi))
             if end <= prompt_len:
                 input_ids.extend(req.prompt_token_ids[p.start : end])
             else:
@@ -106,6 +122,12 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.prepare_time += time.perf_counter() - t0
         hidden = self.model(ids, pos, self.kv.kv_caches, meta)
+        for req, row, lo, hi in prompt_rows:
+            targets = req.prompt_token_ids[lo + 1 : hi + 1]
+            vocab = self.logprob_vocab or self.model.arch.vocab_size
+            chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
+                                          req.params.prompt_logprobs, vocab)
+            self.prompt_logprobs.append((req, lo + 1, chosen, tops))
         if not logits_indices:
             return None
         return self.model.compute_logits(hidden[meta.logits_indices])
