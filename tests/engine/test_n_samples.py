@@ -208,3 +208,18 @@ def test_scoring_with_n_reports_each_sample_index(tiny_hf_model_dir):
     done = run(eng)
     outs = samples(done, "s")
     assert len(outs) == 2 and all(o.output_token_ids == [] and o.finish_reason == "length" for o in outs)
+
+
+def test_fork_at_a_block_boundary_shares_every_block(tiny_hf_model_dir):
+    """A prompt of whole blocks: nothing to copy at the fork; each sample's first decode takes a block,
+    and a cache too small for all of them preempts per the usual policy."""
+    eng = make_engine(tiny_hf_model_dir("llama"), block_size=4, num_blocks=5, prefix_caching=False)
+    prompt = random_prompt(8, seed=14)
+    eng.add_request(prompt, greedy(4, max_tokens=4), request_id="q")
+    eng.step()
+    kids = eng.requests["q"].children
+    assert all(k.block_ids == kids[0].block_ids for k in kids) and len(eng.scheduler.running) == 4
+    assert [eng.kv.pool.ref_counts[b] for b in kids[0].block_ids] == [4, 4]
+    done, steps = step_until_idle(eng)
+    assert sum(len(s.preempted) for s in steps) > 0
+    assert [o.output_token_ids for o in samples(done, "q")] == [hf_greedy(hf_model(), prompt, 4)] * 4
