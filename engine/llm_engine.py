@@ -8,6 +8,7 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,16 @@ from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """What the sampler drew in a step (issue 13, branch samples): a token (and logprobs, when asked)
+    per sampling request; `forks` maps each parent forking this step to its n samples."""
+
+    forks: dict[Request, list[Request]]
+    tokens: dict[Request, int]
+    logprobs: dict[Request, tuple[float, TopK]]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -197,67 +208,87 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> execute -> update. Returns the outputs it produced."""
+        outputs = self._report_rejected()
+        start, t0 = self.clock.now(), time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs + self._idle()
+        phases = {"schedule": time.perf_counter() - t0}
+        try:
+            drawn = self._execute(sched, phases)
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
+            return outputs + self._fail_step(sched, exc, start, t0)
+        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
+        # toward the step, so the clock is advanced by it afterwards.
+        return outputs + self._update(sched, drawn, start, self._end_step(t0), phases)
+
+    def _report_rejected(self) -> list[RequestOutput]:
+        """Requests refused at add_request are reported (finished, with their error) by the next step."""
         outputs = [self._output(r, [], "") for r in self._rejected]
         for r in self._rejected:
             r.metrics.finish_time = self.clock.now()
             self._release(r)
         self._rejected = []
+        return outputs
 
-        start = self.clock.now()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            self.last_step = None
-            if self.scheduler.waiting and not self.scheduler.running:
-                # The rules guarantee progress (validation keeps every request within the cache);
-                # should that ever fail, the stuck request fails instead of the job spinning.
-                req = self.scheduler.waiting[0]
-                req.error = (
-                    f"request could not be scheduled ({req.num_tokens} tokens, "
-                    f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)"
-                )
-                self._finish(req, "error", self.clock.now())
-                outputs.append(self._output(req, [], ""))
-            return outputs
-        failed: list[str] = []
-        phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
-        try:
-            t1 = time.perf_counter()
-            logits = self.runner.execute(sched.scheduled)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t2 = time.perf_counter()
-            phases["prepare"] = self.runner.prepare_time
-            phases["forward"] = t2 - t1 - self.runner.prepare_time
-            # -- issue 13: n samples and logprobs (branch samples) --
-            items = [s.request for s in sched.scheduled if s.samples]
-            forks = {r: make_samples(r, self.device) for r in items if r.forks}
-            rows, samplers = expand_rows(items, forks)
-            if rows is not None:
-                logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-            # Raw logprobs: before temperature, filters or any mask touch the logits.
-            sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
-            # -- end issue 13 (samples) --
-            tokens = self.sampler.sample(logits, samplers) if samplers else []
-            drawn = dict(zip(samplers, tokens))
-            drawn_logprobs = {samplers[i]: lp for i, lp in sample_logprobs.results(tokens).items()}
-            phases["sample"] = time.perf_counter() - t2
-        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            error = f"step failed: {type(exc).__name__}: {exc}"
-            now = self._end_step(t0)
-            for s in sched.scheduled:
-                s.request.error = error
-                self._finish(s.request, "error", now)
-                failed.append(s.request.request_id)
-                outputs.append(self._output(s.request, [], ""))
-            self._record(sched, start, now, failed)
-            return outputs
-        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
-        # toward the step, so the clock is advanced by it afterwards.
+    def _idle(self) -> list[RequestOutput]:
+        self.last_step = None
+        if not (self.scheduler.waiting and not self.scheduler.running):
+            return []
+        # The rules guarantee progress (validation keeps every request within the cache); should
+        # that ever fail, the stuck request fails instead of the job spinning.
+        req = self.scheduler.waiting[0]
+        req.error = (f"request could not be scheduled ({req.num_tokens} tokens, "
+                     f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)")
+        self._finish(req, "error", self.clock.now())
+        return [self._output(req, [], "")]
+
+    def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> _Drawn:
+        """The forward(s) and the sampler: the tokens (and logprobs) drawn for each sampling row."""
+        t1 = time.perf_counter()
+        logits = self.runner.execute(sched.scheduled)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        phases["prepare"] = self.runner.prepare_time
+        phases["forward"] = t2 - t1 - self.runner.prepare_time
+        # -- issue 13: n samples and logprobs (branch samples) --
+        items = [s.request for s in sched.scheduled if s.samples]
+        forks = {r: make_samples(r, self.device) for r in items if r.forks}
+        rows, samplers = expand_rows(items, forks)
+        if rows is not None:
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        # Raw logprobs: before temperature, filters or any mask touch the logits.
+        sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
+        # -- end issue 13 (samples) --
+        tokens = self.sampler.sample(logits, samplers) if samplers else []
+        phases["sample"] = time.perf_counter() - t2
+        lps = sample_logprobs.results(tokens)
+        return _Drawn(forks, dict(zip(samplers, tokens)), {samplers[i]: lp for i, lp in lps.items()})
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
+        """A forward or the sampler raised: this step's requests fail, every other request goes on."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        error = f"step failed: {type(exc).__name__}: {exc}"
         now = self._end_step(t0)
+        outputs, failed = [], []
+        for s in sched.scheduled:
+            s.request.error = error
+            self._finish(s.request, "error", now)
+            failed.append(s.request.request_id)
+            outputs.append(self._output(s.request, [], ""))
+        self._record(sched, start, now, failed)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, drawn: _Drawn, start: float, now: float,
+                phases: dict[str, float]) -> list[RequestOutput]:
+        """num_computed_tokens catches up, full blocks join the prefix cache, sampled tokens are
+        appended, detokenised and checked for stops. One request's failure fails only that request."""
         t3 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        failed: list[str] = []
         for req, first, chosen, tops in self.runner.prompt_logprobs:
             if len(req.prompt_logprobs) == first:  # positions in order, each once
                 req.prompt_logprobs.extend(chosen)
@@ -272,7 +303,7 @@ class LLMEngine:
                     req.metrics.num_prefill_chunks += 1
                 self.kv.register_computed(req)
                 if s.samples:
-                    outputs.extend(self._after_sampling(req, forks, drawn, drawn_logprobs, now))
+                    outputs.extend(self._after_sampling(req, drawn, now))
             except Exception as exc:  # noqa: BLE001 - one request's bad update fails only that request
                 req.error = f"update failed: {type(exc).__name__}: {exc}"
                 if not req.finished:
@@ -319,28 +350,21 @@ class LLMEngine:
         return out
 
     # -- issue 13: n samples, logprobs, scoring (branch samples) -----------------------------------
-    def _after_sampling(
-        self,
-        req: Request,
-        forks: dict[Request, list[Request]],
-        drawn: dict[Request, int],
-        drawn_logprobs: dict[Request, tuple[float, TopK]],
-        now: float,
-    ) -> list[RequestOutput]:
+    def _after_sampling(self, req: Request, drawn: _Drawn, now: float) -> list[RequestOutput]:
         """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end."""
         if req.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it wanted
             self._finish(req, "length", now)
             out = self._output(req, [], "")
             return [dataclasses.replace(out, sample_index=i) for i in range(req.params.n)]
-        samples = forks.get(req, [req])
-        if req in forks:
+        samples = drawn.forks.get(req, [req])
+        if req in drawn.forks:
             self._fork(req, samples)
         outputs = []
         for r in samples:
-            if r in drawn_logprobs:
-                r.logprobs.append(drawn_logprobs[r][0])
-                r.top_logprobs.append(drawn_logprobs[r][1])
-            outputs.append(self._append_token(r, drawn[r], now))
+            if r in drawn.logprobs:
+                r.logprobs.append(drawn.logprobs[r][0])
+                r.top_logprobs.append(drawn.logprobs[r][1])
+            outputs.append(self._append_token(r, drawn.tokens[r], now))
         return outputs
 
     def _fork(self, parent: Request, samples: list[Request]) -> None:
@@ -359,6 +383,7 @@ class LLMEngine:
         parent.children = samples
         parent.status = RequestStatus.FINISHED  # a handle now; its samples carry on
         self._detok.pop(parent, None)
+        self.runner.release(parent.seq_key)
         for child in samples:
             child.metrics = dataclasses.replace(parent.metrics, token_times=[])  # the prefill's, shared history
             self._detok[child] = DetokState.for_prompt(child.num_prompt_tokens)
@@ -407,6 +432,7 @@ class LLMEngine:
         """A finished request is reported once; the engine keeps no reference to it afterwards (for
         n > 1, once all its samples are finished)."""
         self._detok.pop(req, None)
+        self.runner.release(req.seq_key)
         owner = req.parent or req
         if all(c.finished for c in owner.children):
             self.requests.pop(req.request_id, None)
@@ -417,7 +443,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=req.output_token_ids,  # no copy per step: see RequestOutput
             text=req.text[: req.num_emitted_chars],
             new_token_ids=new_ids,
             new_text=new_text,
@@ -426,9 +452,10 @@ class LLMEngine:
             error=req.error,
             metrics=req.metrics,
             sample_index=req.sample_index,
-            logprobs=list(req.logprobs) if with_logprobs else None,
-            top_logprobs=list(req.top_logprobs) if with_logprobs else None,
-            # Complete once the prefill is done and never changed afterwards: shared, not copied.
+            # Not copies, like output_token_ids: the request's own lists, extended by later steps.
+            logprobs=req.logprobs if with_logprobs else None,
+            top_logprobs=req.top_logprobs if with_logprobs else None,
+            # Complete once the prefill is done and never changed afterwards.
             prompt_logprobs=req.prompt_logprobs if with_prompt_logprobs else None,
             prompt_top_logprobs=req.prompt_top_logprobs if with_prompt_logprobs else None,
         )

@@ -5,6 +5,10 @@ chunking.ubatch caps the physical width: then the step's tokens are cut, in orde
 at most ubatch tokens. A chunk cut in two is just two consecutive pieces of the same sequence; the
 second sees the first's keys in the cache. The LM head runs only on rows that sample, and on the
 prefill positions of requests that ask for prompt logprobs (engine/logprobs.py), a few rows at a time.
+
+A step's host work is O(batch) plus O(new tokens): input ids are slices of each request's prompt or
+output (never prompt + output rebuilt), positions and slots are computed by torch from the lengths,
+and block tables come from the persistent table (engine/block_table.py), which copies only new ids.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_table import PersistentBlockTable
 from engine.kv_cache import KVCacheManager
 from engine.logprobs import TopK, token_logprobs
 from engine.request import Request
@@ -60,6 +65,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.ubatch = ubatch
+        self.block_table = PersistentBlockTable(kv.blocks_needed(kv.config.max_model_len))
         self.num_forwards = 0  # of the last step
         self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
         # Prompt logprobs of the last step: (request, index of the first prompt position, logprobs,
@@ -83,32 +89,32 @@ class ModelRunner:
             return torch.empty(0, 0, device=self.device)
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
+    def release(self, seq_key: str | tuple[str, int]) -> None:
+        """A finished request (Request.seq_key): its persistent block-table row is free again."""
+        self.block_table.release(seq_key)
+
     def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
         t0 = time.perf_counter()
         input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables, logits_indices = [], [], [], []
+        query_lens, seq_lens, logits_indices = [], [], []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # request, first batch row, positions [lo, hi)
         for p in pieces:
-            req = p.item.request
             end = p.start + p.num_tokens
-            prompt_len = req.num_prompt_tokens
+            req = p.item.request
             if req.needs_prompt_logprobs:
                 # Position i predicts prompt[i + 1]; positions whose logprob exists (from before a
                 # preemption) are skipped, and the last prompt position is the sampling row.
-                lo, hi = max(p.start, len(req.prompt_logprobs) - 1), min(end, prompt_len - 1)
+                lo, hi = max(p.start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
                 if lo < hi:
                     prompt_rows.append((req, len(input_ids) + lo - p.start, lo, hi))
-            if end <= prompt_len:
-                input_ids.extend(req.prompt_token_ids[p.start : end])
-            else:
-                input_ids.extend(req.all_token_ids[p.start : end])
-            positions.extend(range(p.start, end))
+            input_ids.extend(req.token_slice(p.start, end))
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
-            tables.append(req.block_ids)
             if p.samples:
                 logits_indices.append(len(input_ids) - 1)
+        reqs = [p.item.request for p in pieces]
+        rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
+        tables = self.block_table.table.index_select(0, torch.tensor(rows))
         meta = AttentionMetadata.build(
             query_lens,
             seq_lens,
@@ -119,9 +125,8 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.prepare_time += time.perf_counter() - t0
-        hidden = self.model(ids, pos, self.kv.kv_caches, meta)
+        hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
         for req, row, lo, hi in prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
             vocab = self.logprob_vocab or self.model.arch.vocab_size
