@@ -238,3 +238,13 @@ def test_invalid_logprob_params_fail_that_request_only(tiny_hf_model_dir, params
     done = run(eng)
     assert done[("bad", 0)].finish_reason == "error" and fragment in done[("bad", 0)].error
     assert done[("good", 0)].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma3_softcap"])
+def test_logprobs_other_families(tiny_hf_model_dir, family):
+    """Tied embeddings, sliding windows and Gemma's final logit softcapping (applied before log_softmax)."""
+    eng = make_engine(tiny_hf_model_dir(family), size=3)
+    prompt = random_prompt(19, seed=30)
+    out = eng.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
+                                                prompt_logprobs=3))[0]
+    check_against_hf(out, 3, 3, name=family)
