@@ -139,13 +139,18 @@ def test_more_samples_than_max_num_seqs(tiny_hf_model_dir):
     assert [o.output_token_ids for o in samples(done, "q")] == [hf_greedy(hf_model(), prompt, 8)] * 5
 
 
-def test_contiguous_backend_copies_the_prompt_region(tiny_hf_model_dir):
-    eng = make_engine(tiny_hf_model_dir("llama"), backend="contiguous", max_model_len=64, size=4)
+@pytest.mark.parametrize("num_blocks", [None, 2])
+def test_contiguous_backend_copies_the_prompt_region(tiny_hf_model_dir, num_blocks):
+    """One block per sequence, nothing shared: each sample gets a copy of the prompt's KV; with two
+    blocks, two samples run and two wait to be recomputed."""
+    eng = make_engine(tiny_hf_model_dir("llama"), backend="contiguous", max_model_len=64, size=4,
+                      num_blocks=num_blocks)
     prompt = random_prompt(11, seed=7)
-    eng.add_request(prompt, greedy(3), request_id="q")
+    eng.add_request(prompt, greedy(4), request_id="q")
     done, steps = step_until_idle(eng)
-    assert sum(s.prefill_tokens for s in steps) == len(prompt)
-    assert [o.output_token_ids for o in samples(done, "q")] == [hf_greedy(hf_model(), prompt, 8)] * 3
+    computed_once = sum(s.prefill_tokens for s in steps) == len(prompt)
+    assert computed_once == (num_blocks is None)
+    assert [o.output_token_ids for o in samples(done, "q")] == [hf_greedy(hf_model(), prompt, 8)] * 4
 
 
 def test_max_tokens_one(tiny_hf_model_dir):
