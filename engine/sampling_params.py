@@ -45,7 +45,7 @@ class SamplingParams:
         out = []
         # -- issue 13: n / logprobs / prompt_logprobs / scoring (branch samples) --
         if not count(self.max_tokens) or self.max_tokens < 0:
-            out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1 (0 only for scoring, with prompt_logprobs)")
+            out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         elif self.max_tokens == 0 and self.prompt_logprobs is None:
             out.append("max_tokens=0 is only for scoring: set prompt_logprobs (e.g. 0), or max_tokens >= 1")
         if not count(self.n) or self.n < 1:
