@@ -41,23 +41,19 @@ def token_logprobs(
     hidden: torch.Tensor,
     targets: list[int],
     k: int,
+    vocab_size: int,
     vocab_limit: int,
 ) -> tuple[list[float], list[TopK]]:
-    """Logprob of targets[i] under the logits of hidden[i], and the top-k per row, computing the
-    logits a bounded number of rows at a time."""
+    """Logprob of targets[i] under the logits of hidden[i] (rows of vocab_size logits), and the top-k
+    per row, computing the logits a bounded number of rows at a time."""
     chosen: list[float] = []
     tops: list[TopK] = []
-    vocab = None
-    start = 0
-    while start < hidden.shape[0]:
-        rows = 1 if vocab is None else max(1, _MAX_LOGIT_ELEMENTS // vocab)
-        logits = compute_logits(hidden[start : start + rows])
-        vocab = logits.shape[1]
-        lp = torch.log_softmax(logits.float(), dim=-1)
+    rows = max(1, _MAX_LOGIT_ELEMENTS // vocab_size)
+    for start in range(0, hidden.shape[0], rows):
+        lp = torch.log_softmax(compute_logits(hidden[start : start + rows]).float(), dim=-1)
         tgt = torch.tensor(targets[start : start + lp.shape[0]], device=lp.device)
         chosen.extend(lp.gather(1, tgt[:, None])[:, 0].tolist())
         tops.extend(_top_k(lp, k, vocab_limit))
-        start += lp.shape[0]
     return chosen, tops
 
 

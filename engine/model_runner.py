@@ -129,9 +129,9 @@ class ModelRunner:
         hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
         for req, row, lo, hi in prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
-            vocab = self.logprob_vocab or self.model.arch.vocab_size
+            vocab = self.model.arch.vocab_size
             chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
-                                          req.params.prompt_logprobs, vocab)
+                                          req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
             self.prompt_logprobs.append((req, lo + 1, chosen, tops))
         if not logits_indices:
             return None

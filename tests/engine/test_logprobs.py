@@ -248,3 +248,27 @@ def test_logprobs_other_families(tiny_hf_model_dir, family):
     out = eng.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
                                                 prompt_logprobs=3))[0]
     check_against_hf(out, 3, 3, name=family)
+
+
+def test_prompt_logprobs_rows_chunked_as_one_shot(monkeypatch):
+    """token_logprobs bounds the logits it materialises; cut into 4-row pieces, it gives what one piece
+    gives (ids exactly, values to float rounding), top-k only below vocab_limit."""
+    import engine.logprobs as lp_mod
+
+    gen = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=gen), torch.randn(23, 8, generator=gen)
+    targets = torch.randint(0, 50, (23,), generator=gen).tolist()
+    calls = []
+
+    def logits(h):
+        calls.append(h.shape[0])
+        return h @ weight.T
+
+    whole = lp_mod.token_logprobs(logits, hidden, targets, 3, 50, 40)
+    monkeypatch.setattr(lp_mod, "_MAX_LOGIT_ELEMENTS", 50 * 4)
+    calls.clear()
+    pieces = lp_mod.token_logprobs(logits, hidden, targets, 3, 50, 40)
+    assert calls == [4, 4, 4, 4, 4, 3]
+    assert pieces[0] == pytest.approx(whole[0], abs=1e-5)
+    assert [[t for t, _ in top] for top in pieces[1]] == [[t for t, _ in top] for top in whole[1]]
+    assert all(t < 40 for top in pieces[1] for t, _ in top)

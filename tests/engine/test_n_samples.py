@@ -228,3 +228,25 @@ def test_fork_at_a_block_boundary_shares_every_block(tiny_hf_model_dir):
     done, steps = step_until_idle(eng)
     assert sum(len(s.preempted) for s in steps) > 0
     assert [o.output_token_ids for o in samples(done, "q")] == [hf_greedy(hf_model(), prompt, 4)] * 4
+
+
+def test_seeded_samples_survive_preemption_unchanged(tiny_hf_model_dir):
+    """Each sample's stream advances only when it draws: a tight cache (preempting and deferring
+    samples) gives the same seeded samples, and the same logprobs, as a roomy one."""
+    path = tiny_hf_model_dir("llama")
+    prompts = [random_prompt(n, seed=40 + n) for n in (9, 14)]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, n=3, logprobs=1)
+
+    def outputs(eng):
+        for i, p in enumerate(prompts):
+            eng.add_request(p, params, request_id=f"r{i}")
+        done, steps = step_until_idle(eng)
+        return done, steps
+
+    roomy, _ = outputs(make_engine(path, block_size=4))
+    tight, steps = outputs(make_engine(path, block_size=4, num_blocks=11, size=4))
+    assert sum(len(s.preempted) for s in steps) > 0
+    assert {k: o.output_token_ids for k, o in tight.items()} == {k: o.output_token_ids for k, o in roomy.items()}
+    for k, o in tight.items():
+        assert o.logprobs == pytest.approx(roomy[k].logprobs, abs=1e-4)
+        check_against_hf(o, 1, None)
