@@ -13,20 +13,22 @@ rewritten from its start and an extended one from where the row stopped.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 
 class PersistentBlockTable:
     def __init__(self, max_blocks_per_seq: int, rows: int = 64) -> None:
         self.table = torch.zeros(max(rows, 1), max(max_blocks_per_seq, 1), dtype=torch.int32)
-        self._row: dict[str, int] = {}  # request id -> row
+        self._row: dict[Hashable, int] = {}  # sequence key (Request.seq_key: the request id, or id + sample) -> row
         self._mirrored: dict[int, tuple[list[int], int]] = {}  # row -> (the block_ids list, ids written)
         self._free = list(range(self.table.shape[0] - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self._row)
 
-    def rows(self, request_ids: list[str], block_ids: list[list[int]]) -> list[int]:
+    def rows(self, request_ids: list[Hashable], block_ids: list[list[int]]) -> list[int]:
         """The rows of these requests, brought up to date with their block ids."""
         out = []
         for rid, blocks in zip(request_ids, block_ids):
@@ -44,7 +46,7 @@ class PersistentBlockTable:
             out.append(row)
         return out
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: Hashable) -> None:
         """A finished request gives its row back."""
         row = self._row.pop(request_id, None)
         if row is not None:

@@ -134,7 +134,8 @@ class KVCacheManager:
         num_tokens = req.num_tokens
         total = self.blocks_needed(num_tokens)
         hits: list[int] = []
-        if self.pool.enable_caching:
+        # A request still computing prompt logprobs takes no hits: a hit would skip their positions.
+        if self.pool.enable_caching and not req.needs_prompt_logprobs:
             for h in self._prefix_hashes(req, (num_tokens - 1) // self.block_size):
                 block = self.pool.lookup(h)
                 if block is None:
@@ -176,6 +177,38 @@ class KVCacheManager:
         for i in range(req.num_cached_blocks, full):
             self.pool.register(req.block_ids[i], hashes[i])
         req.num_cached_blocks = full
+
+    # -- issue 13: n samples (branch samples) --------------------------------------------------------
+    def fork(self, src: Request, dst: Request) -> bool:
+        """Give `dst` the KV of src's computed tokens: its full blocks are shared (one more reference
+        each) and the partly filled last block is copied (copy-on-write, done at fork time since every
+        sample writes into it next). The contiguous backend has one block per sequence and cannot share,
+        so the whole computed region is copied. False, changing nothing, if no block is free for the copy."""
+        n = src.num_computed_tokens
+        shared = 0 if self.contiguous else n // self.block_size
+        partial = self.blocks_needed(n) - shared if n else 0
+        if partial > self.pool.num_free:
+            return False
+        for b in src.block_ids[:shared]:
+            self.pool.touch(b)
+        dst.block_ids = src.block_ids[:shared] + self.pool.allocate(partial)
+        if partial:
+            rows = n - shared * self.block_size
+            s, d = src.block_ids[shared], dst.block_ids[shared]
+            for cache in self.kv_caches:  # [2, num_blocks, block_size, heads, dim]
+                cache[:, d, :rows] = cache[:, s, :rows]
+        dst.num_computed_tokens = n
+        dst.block_hashes = list(src.block_hashes)
+        dst.num_cached_blocks = min(src.num_cached_blocks, shared)
+        return True
+
+    def transfer(self, src: Request, dst: Request) -> None:
+        """Move src's blocks to dst (the first sample takes over the prompt's blocks as they are)."""
+        dst.block_ids, src.block_ids = src.block_ids, []
+        dst.num_computed_tokens = src.num_computed_tokens
+        dst.block_hashes = list(src.block_hashes)
+        dst.num_cached_blocks, src.num_cached_blocks = src.num_cached_blocks, 0
+    # -- end issue 13 (samples) ----------------------------------------------------------------------
 
     def free(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +17,10 @@ from engine.clock import Clock, WallClock
 from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
+from engine.logprobs import SampleLogprobs, TopK
 from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
+from engine.n_samples import expand_rows, make_samples
 from engine.profiling import compile_forward, warm_up_kernels
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
@@ -25,6 +29,16 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from kernels import get_backend
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """What the sampler drew in a step (issue 13, branch samples): a token (and logprobs, when asked)
+    per sampling request; `forks` maps each parent forking this step to its n samples."""
+
+    forks: dict[Request, list[Request]]
+    tokens: dict[Request, int]
+    logprobs: dict[Request, tuple[float, TopK]]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,13 +107,16 @@ class LLMEngine:
             num_blocks=num_blocks,
         )
         self.scheduler = Scheduler(config, self.kv)
+        # Logprobs report top-k alternatives among the ids the tokenizer knows (a padded LM head is wider).
+        logprob_vocab = min(self.vocab_size, getattr(self.tokenizer, "vocab_size", None) or self.vocab_size)
         self.runner = ModelRunner(
-            self.model, self.kv, self.device, config.chunking.ubatch, attention_backend=mc.attention_backend
+            self.model, self.kv, self.device, config.chunking.ubatch, attention_backend=mc.attention_backend,
+            logprob_vocab=logprob_vocab,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, DetokState] = {}
+        self._detok: dict[Request, DetokState] = {}  # per sequence (the n samples of a request each have one)
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self._order = itertools.count()
@@ -137,7 +154,7 @@ class LLMEngine:
             req.finish_reason, req.error = "error", error
             self._rejected.append(req)
         else:
-            self._detok[rid] = DetokState.for_prompt(len(ids))
+            self._detok[req] = DetokState.for_prompt(len(ids))
             self.scheduler.add(req)
         return rid
 
@@ -165,9 +182,13 @@ class LLMEngine:
         return None
 
     def abort_request(self, request_id: str) -> None:
+        """Abort a request; for n > 1, all of its samples."""
         req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self._finish(req, "abort", self.clock.now())
+        if req is None:
+            return
+        for r in req.children or [req]:
+            if not r.finished:
+                self._finish(r, "abort", self.clock.now())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._rejected)
@@ -208,12 +229,12 @@ class LLMEngine:
             return outputs + self._idle()
         phases = {"schedule": time.perf_counter() - t0}
         try:
-            tokens = self._execute(sched, phases)
+            drawn = self._execute(sched, phases)
         except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
             return outputs + self._fail_step(sched, exc, start, t0)
         # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
         # toward the step, so the clock is advanced by it afterwards.
-        return outputs + self._update(sched, tokens, start, self._end_step(t0), phases)
+        return outputs + self._update(sched, drawn, start, self._end_step(t0), phases)
 
     def _report_rejected(self) -> list[RequestOutput]:
         """Requests refused at add_request are reported (finished, with their error) by the next step."""
@@ -236,8 +257,8 @@ class LLMEngine:
         self._finish(req, "error", self.clock.now())
         return [self._output(req, [], "")]
 
-    def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> list[int]:
-        """The forward(s) and the sampler: one token per scheduled request that samples, in order."""
+    def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> _Drawn:
+        """The forward(s) and the sampler: the tokens (and logprobs) drawn for each sampling row."""
         t1 = time.perf_counter()
         logits = self.runner.execute(sched.scheduled)
         if self.device.type == "cuda":
@@ -245,10 +266,19 @@ class LLMEngine:
         t2 = time.perf_counter()
         phases["prepare"] = self.runner.prepare_time
         phases["forward"] = t2 - t1 - self.runner.prepare_time
-        samplers = [s.request for s in sched.scheduled if s.samples]
+        # -- issue 13: n samples and logprobs (branch samples) --
+        items = [s.request for s in sched.scheduled if s.samples]
+        forks = {r: make_samples(r, self.device) for r in items if r.forks}
+        rows, samplers = expand_rows(items, forks)
+        if rows is not None:
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        # Raw logprobs: before temperature, filters or any mask touch the logits.
+        sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
+        # -- end issue 13 (samples) --
         tokens = self.sampler.sample(logits, samplers) if samplers else []
         phases["sample"] = time.perf_counter() - t2
-        return tokens
+        lps = sample_logprobs.results(tokens)
+        return _Drawn(forks, dict(zip(samplers, tokens)), {samplers[i]: lp for i, lp in lps.items()})
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
         """A forward or the sampler raised: this step's requests fail, every other request goes on."""
@@ -265,17 +295,19 @@ class LLMEngine:
         self._record(sched, start, now, failed)
         return outputs
 
-    def _update(self, sched: SchedulerOutput, tokens: list[int], start: float, now: float,
+    def _update(self, sched: SchedulerOutput, drawn: _Drawn, start: float, now: float,
                 phases: dict[str, float]) -> list[RequestOutput]:
         """num_computed_tokens catches up, full blocks join the prefix cache, sampled tokens are
         appended, detokenised and checked for stops. One request's failure fails only that request."""
         t3 = time.perf_counter()
         outputs: list[RequestOutput] = []
         failed: list[str] = []
-        token_iter = iter(tokens)
+        for req, first, chosen, tops in self.runner.prompt_logprobs:
+            if len(req.prompt_logprobs) == first:  # positions in order, each once
+                req.prompt_logprobs.extend(chosen)
+                req.prompt_top_logprobs.extend(tops)
         for s in sched.scheduled:
             req = s.request
-            token = next(token_iter) if s.samples else None
             try:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = start
@@ -283,8 +315,8 @@ class LLMEngine:
                 if s.is_prefill:
                     req.metrics.num_prefill_chunks += 1
                 self.kv.register_computed(req)
-                if token is not None:
-                    outputs.append(self._append_token(req, token, now))
+                if s.samples:
+                    outputs.extend(self._after_sampling(req, drawn, now))
             except Exception as exc:  # noqa: BLE001 - one request's bad update fails only that request
                 req.error = f"update failed: {type(exc).__name__}: {exc}"
                 if not req.finished:
@@ -315,12 +347,60 @@ class LLMEngine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.kv.pool.num_used,
-            scheduled={s.request.request_id: s.num_tokens for s in sched.scheduled},
+            scheduled=self._tokens_per_id(sched),
             cached_prompt_tokens=sched.cached_prompt_tokens,
             num_forwards=self.runner.num_forwards,
             preempted=[r.request_id for r in sched.preempted],
             failed=failed,
         )
+
+    @staticmethod
+    def _tokens_per_id(sched: SchedulerOutput) -> dict[str, int]:
+        """Tokens computed per request id this step (the n samples of a request share its id)."""
+        out: dict[str, int] = {}
+        for s in sched.scheduled:
+            out[s.request.request_id] = out.get(s.request.request_id, 0) + s.num_tokens
+        return out
+
+    # -- issue 13: n samples, logprobs, scoring (branch samples) -----------------------------------
+    def _after_sampling(self, req: Request, drawn: _Drawn, now: float) -> list[RequestOutput]:
+        """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end."""
+        if req.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it wanted
+            self._finish(req, "length", now)
+            out = self._output(req, [], "")
+            return [dataclasses.replace(out, sample_index=i) for i in range(req.params.n)]
+        samples = drawn.forks.get(req, [req])
+        if req in drawn.forks:
+            self._fork(req, samples)
+        outputs = []
+        for r in samples:
+            if r in drawn.logprobs:
+                r.logprobs.append(drawn.logprobs[r][0])
+                r.top_logprobs.append(drawn.logprobs[r][1])
+            outputs.append(self._append_token(r, drawn.tokens[r], now))
+        return outputs
+
+    def _fork(self, parent: Request, samples: list[Request]) -> None:
+        """Replace a prefilled parent by its samples (engine/n_samples.py). Samples without room (a
+        free block for their copy of the last block, a place within max_num_seqs) wait to be recomputed."""
+        room = self.config.max_num_seqs - len(self.scheduler.running) + 1  # the parent's place is freed
+        placed, deferred = [samples[0]], []
+        for child in samples[1:]:
+            if len(placed) < room and self.kv.fork(parent, child):
+                placed.append(child)
+            else:
+                child.block_hashes = list(parent.block_hashes)
+                deferred.append(child)
+        self.kv.transfer(parent, samples[0])
+        self.scheduler.replace(parent, placed, deferred)
+        parent.children = samples
+        parent.status = RequestStatus.FINISHED  # a handle now; its samples carry on
+        self._detok.pop(parent, None)
+        self.runner.release(parent.seq_key)
+        for child in samples:
+            child.metrics = dataclasses.replace(parent.metrics, token_times=[])  # the prefill's, shared history
+            self._detok[child] = DetokState.for_prompt(child.num_prompt_tokens)
+    # -- end issue 13 (samples) ----------------------------------------------------------------------
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         req.output_token_ids.append(token)
@@ -329,7 +409,7 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = req.params
-        detok = self._detok[req.request_id]
+        detok = self._detok[req]
         new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -362,12 +442,17 @@ class LLMEngine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        """A finished request is reported once; the engine keeps no reference to it afterwards."""
-        self.requests.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
-        self.runner.release(req.request_id)
+        """A finished request is reported once; the engine keeps no reference to it afterwards (for
+        n > 1, once all its samples are finished)."""
+        self._detok.pop(req, None)
+        self.runner.release(req.seq_key)
+        owner = req.parent or req
+        if all(c.finished for c in owner.children):
+            self.requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        with_logprobs = getattr(req.params, "logprobs", None) is not None
+        with_prompt_logprobs = getattr(req.params, "prompt_logprobs", None) is not None
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -379,20 +464,30 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             error=req.error,
             metrics=req.metrics,
+            sample_index=req.sample_index,
+            # Not copies, like output_token_ids: the request's own lists, extended by later steps.
+            logprobs=req.logprobs if with_logprobs else None,
+            top_logprobs=req.top_logprobs if with_logprobs else None,
+            # Complete once the prefill is done and never changed afterwards.
+            prompt_logprobs=req.prompt_logprobs if with_prompt_logprobs else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if with_prompt_logprobs else None,
         )
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order."""
+        """Run prompts to completion; outputs in input order (a prompt with n > 1 gives its n samples in
+        sample_index order; one output if it failed before its prefill finished)."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids) and self.has_unfinished_requests():
+        done: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        pending = set(ids)
+        while pending and self.has_unfinished_requests():
             for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+                if out.finished and out.request_id in done:
+                    done[out.request_id].append(out)
+            pending = {i for i in pending if i in self.requests}  # an id leaves once all its samples finish
+        return [o for i in ids for o in sorted(done[i], key=lambda o: o.sample_index)]

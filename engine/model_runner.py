@@ -3,7 +3,8 @@
 All scheduled tokens (decodes and prefill chunks of many requests) go through ONE forward, unless
 chunking.ubatch caps the physical width: then the step's tokens are cut, in order, into forwards of
 at most ubatch tokens. A chunk cut in two is just two consecutive pieces of the same sequence; the
-second sees the first's keys in the cache. The LM head runs only on rows that sample.
+second sees the first's keys in the cache. The LM head runs only on rows that sample, and on the
+prefill positions of requests that ask for prompt logprobs (engine/logprobs.py), a few rows at a time.
 
 A step's host work is O(batch) plus O(new tokens): input ids are slices of each request's prompt or
 output (never prompt + output rebuilt), positions and slots are computed by torch from the lengths,
@@ -19,6 +20,8 @@ import torch
 
 from engine.block_table import PersistentBlockTable
 from engine.kv_cache import KVCacheManager
+from engine.logprobs import TopK, token_logprobs
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from kernels import AttentionMetadata
 
@@ -55,6 +58,7 @@ class ModelRunner:
         device: torch.device,
         ubatch: int | None,
         attention_backend: str = "auto",
+        logprob_vocab: int | None = None,
     ):
         self.model = model
         self.attention_backend = attention_backend
@@ -64,12 +68,17 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(kv.blocks_needed(kv.config.max_model_len))
         self.num_forwards = 0  # of the last step
         self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
+        # Prompt logprobs of the last step: (request, index of the first prompt position, logprobs,
+        # top-k), in step order; the engine appends them once the step succeeded.
+        self.prompt_logprobs: list[tuple[Request, int, list[float], list[TopK]]] = []
+        self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; returns float32 logits [S, vocab], one row per sampling request in order."""
         rows: list[torch.Tensor] = []
         self.prepare_time = 0.0
+        self.prompt_logprobs = []
         forwards = split_into_forwards(scheduled, self.ubatch)
         for pieces in forwards:
             logits = self._forward(pieces)
@@ -80,23 +89,31 @@ class ModelRunner:
             return torch.empty(0, 0, device=self.device)
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
-    def release(self, request_id: str) -> None:
-        """A finished request: its persistent block-table row is free again."""
-        self.block_table.release(request_id)
+    def release(self, seq_key: str | tuple[str, int]) -> None:
+        """A finished request (Request.seq_key): its persistent block-table row is free again."""
+        self.block_table.release(seq_key)
 
     def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
         t0 = time.perf_counter()
         input_ids: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # request, first batch row, positions [lo, hi)
         for p in pieces:
             end = p.start + p.num_tokens
-            input_ids.extend(p.item.request.token_slice(p.start, end))
+            req = p.item.request
+            if req.needs_prompt_logprobs:
+                # Position i predicts prompt[i + 1]; positions whose logprob exists (from before a
+                # preemption) are skipped, and the last prompt position is the sampling row.
+                lo, hi = max(p.start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    prompt_rows.append((req, len(input_ids) + lo - p.start, lo, hi))
+            input_ids.extend(req.token_slice(p.start, end))
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
             if p.samples:
                 logits_indices.append(len(input_ids) - 1)
         reqs = [p.item.request for p in pieces]
-        rows = self.block_table.rows([r.request_id for r in reqs], [r.block_ids for r in reqs])
+        rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
         tables = self.block_table.table.index_select(0, torch.tensor(rows))
         meta = AttentionMetadata.build(
             query_lens,
@@ -110,6 +127,12 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         self.prepare_time += time.perf_counter() - t0
         hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
+        for req, row, lo, hi in prompt_rows:
+            targets = req.prompt_token_ids[lo + 1 : hi + 1]
+            vocab = self.model.arch.vocab_size
+            chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
+                                          req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
+            self.prompt_logprobs.append((req, lo + 1, chosen, tops))
         if not logits_indices:
             return None
         return self.model.compute_logits(hidden[meta.logits_indices])

@@ -45,6 +45,11 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     error: str | None
     metrics: RequestMetrics
+    sample_index: int = 0               # request_id is the id given to add_request, same for all n samples
+    logprobs: list[float] | None = None        # per generated token: logprob of the chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None = None   # per generated token: top-k (token_id, logprob), best first
+    prompt_logprobs: list[float | None] | None = None           # per prompt position i: log P(prompt[i] | prompt[:i]); [0] is None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # per prompt position; [0] is []
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +73,16 @@ class Request:
     generator: object | None = None
     # Tokens known at admission; after preemption, generated tokens are recomputed too.
     prefill_target: int = 0
+    # -- issue 13: n samples and logprobs (branch samples) --
+    sample_index: int = 0
+    children: list[Request] = field(default_factory=list)  # n > 1: the samples forked after the prefill
+    parent: Request | None = None  # a sample: the request that prefilled its prompt
+    logprobs: list[float] = field(default_factory=list)  # per generated token (params.logprobs set)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs computed so far, in position order ([0] is None); a prefix of the prompt.
+    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=lambda: [[]])
+    # -- end issue 13 (samples) --
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +117,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def seq_key(self) -> str | tuple[str, int]:
+        """Identifies one sequence (the n samples of a request share its request_id)."""
+        return self.request_id if self.parent is None else (self.request_id, self.sample_index)
+
+    @property
+    def forks(self) -> bool:
+        """Whether its sampling row forks it into params.n samples (a parent not yet forked)."""
+        return self.params.n > 1 and self.params.max_tokens > 0 and self.parent is None and not self.children
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: its prefill must not skip positions
+        (no prefix-cache hits), and each prefill chunk yields logprobs for its positions."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
 
 @dataclass(slots=True)

@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputs:            # exactly one field set
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None      # EBNF / GBNF text
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -16,6 +24,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1                      # samples per prompt; prompt prefilled once, KV shared
+    logprobs: int | None = None     # None = off; k >= 0: chosen token's logprob + top-k alternatives
+    prompt_logprobs: int | None = None  # None = off; k >= 0: logprob of every prompt token (+ top-k)
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
@@ -27,9 +39,22 @@ class SamplingParams:
         def number(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
+        def count(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         out = []
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        # -- issue 13: n / logprobs / prompt_logprobs / scoring (branch samples) --
+        if not count(self.max_tokens) or self.max_tokens < 0:
             out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        elif self.max_tokens == 0 and self.prompt_logprobs is None:
+            out.append("max_tokens=0 is only for scoring: set prompt_logprobs (e.g. 0), or max_tokens >= 1")
+        if not count(self.n) or self.n < 1:
+            out.append(f"n={self.n!r} must be an integer >= 1 (samples per prompt)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not count(k) or k < 0):
+                out.append(f"{name}={k!r} must be None (off) or an integer >= 0 (top-k alternatives)")
+        # -- end issue 13 (samples) --
         if not number(self.temperature) or self.temperature < 0:
             out.append(f"temperature={self.temperature!r} must be a number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -161,6 +161,15 @@ class Scheduler:
         out.preempted.append(victim)
         out.scheduled = [s for s in out.scheduled if s.request is not victim]
 
+    def replace(self, parent: Request, running: list[Request], waiting: list[Request]) -> None:
+        """n samples (engine/n_samples.py): the forked samples take the parent's place among the running
+        requests; those without KV yet go to the front of the queue, to be computed like preempted ones."""
+        i = self.running.index(parent)
+        self.running[i : i + 1] = running
+        for req in reversed(waiting):
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     # -- bookkeeping -----------------------------------------------------------------------------
     def finish(self, req: Request) -> None:
         """Remove a finished (or failed) request and free its blocks."""
