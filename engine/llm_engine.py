@@ -20,6 +20,7 @@ from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputManager
 
 
 def resolve_device(device: str) -> torch.device:
@@ -85,6 +86,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, DetokState] = {}
         self._rejected: list[Request] = []
@@ -116,6 +118,8 @@ class LLMEngine:
         req = Request(rid, ids, params, RequestMetrics(arrival_time=arrival), index=next(self._order))
         try:
             error = error or self._validate(req)
+            if error is None and params.structured is not None:  # compile starts now, off the step's path
+                error = self.structured.submit(req)
         except Exception as exc:  # noqa: BLE001 - e.g. a params object of the wrong kind
             error = f"invalid request: {type(exc).__name__}: {exc}"
         self.requests[rid] = req
@@ -192,6 +196,9 @@ class LLMEngine:
             r.metrics.finish_time = self.clock.now()
             self._release(r)
         self._rejected = []
+        if self.structured.in_use:  # a spec that failed to compile fails its request before its prefill
+            for req in self.structured.take_failed():
+                outputs.append(self._end_by_grammar(req, "error", req.grammar.error, self.clock.now()))
 
         start = self.clock.now()
         t0 = time.perf_counter()
@@ -220,6 +227,8 @@ class LLMEngine:
             phases["prepare"] = self.runner.prepare_time
             phases["forward"] = t2 - t1 - self.runner.prepare_time
             samplers = [s.request for s in sched.scheduled if s.samples]
+            if self.structured.in_use and samplers:  # grammar masks: after raw logits, before sampling
+                self.structured.apply_masks(logits, samplers)
             tokens = self.sampler.sample(logits, samplers) if samplers else []
             phases["sample"] = time.perf_counter() - t2
         except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
@@ -289,6 +298,10 @@ class LLMEngine:
         )
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        if req.grammar is not None:  # a failed compile, or a grammar with nothing left to allow
+            ended = self.structured.verdict(req)
+            if ended is not None:
+                return self._end_by_grammar(req, *ended, now)
         req.output_token_ids.append(token)
         m = req.metrics
         m.token_times.append(now)
@@ -298,7 +311,8 @@ class LLMEngine:
         detok = self._detok[req.request_id]
         new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
         reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
+        if grammar_ended or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
@@ -320,6 +334,14 @@ class LLMEngine:
         emitted = req.num_emitted_chars
         req.num_emitted_chars = max(emitted, visible)
         return self._output(req, [token], req.text[emitted : req.num_emitted_chars])
+
+    def _end_by_grammar(self, req: Request, reason: str, error: str | None, now: float) -> RequestOutput:
+        """Finish a structured request without a new token; text held back for stop strings is released."""
+        req.error = error
+        self._finish(req, reason, now)
+        emitted = req.num_emitted_chars
+        req.num_emitted_chars = len(req.text)
+        return self._output(req, [], req.text[emitted:])
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason = reason

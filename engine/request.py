@@ -68,6 +68,8 @@ class Request:
     generator: object | None = None
     # Tokens known at admission; after preemption, generated tokens are recomputed too.
     prefill_target: int = 0
+    # Structured output: its GrammarState (engine/structured_output.py), None without a spec.
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputs:            # exactly one field set
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None      # EBNF / GBNF text
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -16,6 +24,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
@@ -46,4 +55,31 @@ class SamplingParams:
             isinstance(x, int) for x in self.stop_token_ids
         ):
             out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        # -- issue 13: structured output (branch structured) --
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                out.append(f"structured={self.structured!r} must be a StructuredOutputs or None")
+            else:
+                out.extend(structured_problems(self.structured))
+        # -- end issue 13 (structured) --
         return out
+
+
+def structured_problems(spec: StructuredOutputs) -> list[str]:
+    """What is wrong with the spec before compiling it (compile errors come from the grammar compiler)."""
+    fields = {k: getattr(spec, k) for k in ("json_schema", "regex", "choice", "grammar")}
+    given = [k for k, v in fields.items() if v is not None]
+    if len(given) != 1:
+        names = ", ".join(given) if given else "none"
+        return [f"structured: set exactly one of json_schema, regex, choice, grammar (got {names})"]
+    kind, value = given[0], fields[given[0]]
+    if kind == "json_schema" and not isinstance(value, (str, dict)):
+        return [f"structured.json_schema must be a JSON string or a dict, got {type(value).__name__}"]
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value.strip()):
+        return [f"structured.{kind}={value!r} must be a non-empty string"]
+    if kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value:
+            return [f"structured.choice={value!r} must be a non-empty list of strings"]
+        if not all(isinstance(c, str) and c for c in value):
+            return [f"structured.choice={value!r} must hold non-empty strings only"]
+    return []
