@@ -320,7 +320,7 @@ class StructuredOutputManager:
         A token the mask allowed is always accepted; a rejection would mean the mask and the matcher
         disagree, so it is an error rather than an output that silently breaks the spec."""
         g = req.grammar
-        if g is None or g.matcher is None:
+        if g is None or not g.ready():
             return False
         if not g.matcher.accept_token(token):
             raise RuntimeError(f"the {g.kind} grammar rejected token {token}, which its mask allowed")
