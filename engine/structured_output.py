@@ -108,15 +108,13 @@ class VocabMasks:
 
     - It accepts UTF-8-encoded surrogates (ED A0..BF ..) as characters; Python, and every strict
       UTF-8 decoder, reads them as three U+FFFD, so a maxLength or a regex would no longer hold on the
-      text. `every` forbids tokens holding one; `after_ed` forbids continuing a trailing ED byte with one.
+      text. Tokens holding one are forbidden, and so is continuing a trailing ED byte with A0-BF.
     - Its rule for JSON strings with minLength/maxLength (any character but quote, backslash, CR, LF)
       lets raw control characters (0x00-0x1f) through, which JSON forbids. Compact JSON (see _compile)
-      never contains one, so `json` forbids every token holding one.
+      never contains one, so JSON rows forbid every token holding one.
     Stop ids stay allowed: they end the text, they are not part of it."""
 
-    every: torch.Tensor
-    json: torch.Tensor
-    after_ed: torch.Tensor
+    table: torch.Tensor  # [4, words]: row (is json) + 2 * (text ends with ED) is what a row may hold
     ends_with_ed: frozenset[int]
 
     @classmethod
@@ -141,7 +139,9 @@ class VocabMasks:
                 ends_with_ed.add(i)
         stops = [i for i in stop_ids if 0 <= i < vocab_size]
         every[stops] = no_ctrl[stops] = after_ed[stops] = True
-        return cls(_pack(every), _pack(every & no_ctrl), _pack(after_ed), frozenset(ends_with_ed))
+        json = every & no_ctrl
+        rows = [every, json, every & after_ed, json & after_ed]
+        return cls(torch.stack([_pack(r) for r in rows]), frozenset(ends_with_ed))
 
 
 def _compile_error(kind: str, exc: BaseException) -> str:
@@ -279,28 +279,36 @@ class StructuredOutputManager:
         of appending their token (see verdict)."""
         import xgrammar as xgr
 
-        rows: list[int] = []
-        bitmask = None
+        rows, states = [], []
         for i, req in enumerate(requests):
             g = self.state(req)
-            if g is None or not g.ready():
-                continue
-            if bitmask is None:
-                bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+            if g is not None and g.ready():
+                rows.append(i)
+                states.append(g)
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for i, g in zip(rows, states):
             g.matcher.fill_next_token_bitmask(bitmask, i)
-            if not bool(bitmask[i].any()):  # nothing allowed: the grammar is complete, no stop token
+        # The rest is batched over the grammar rows (per-row tensor ops would cost more than the fills).
+        index = torch.tensor(rows)
+        masks = bitmask[index]
+        exhausted = ~masks.any(dim=1)  # nothing allowed: the grammar is complete and has no stop token
+        codes = torch.tensor([(g.kind == "json_schema") + 2 * g.after_ed for g in states])
+        masks &= self._masks.table[codes]
+        stuck = ~masks.any(dim=1) & ~exhausted
+        bitmask[index] = masks
+        keep = []
+        for i, g, ex, st in zip(rows, states, exhausted.tolist(), stuck.tolist()):
+            if ex:
                 g.exhausted = True
-                continue
-            bitmask[i] &= self._masks.json if g.kind == "json_schema" else self._masks.every
-            if g.after_ed:
-                bitmask[i] &= self._masks.after_ed
-            if not bool(bitmask[i].any()):
+            elif st:
                 g.error = f"{g.kind} cannot continue: it allows only raw control characters or surrogates here"
-                continue
-            rows.append(i)
-        if rows:
+            else:
+                keep.append(i)
+        if keep:
             xgr.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows
+                logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=keep
             )
 
     @staticmethod
