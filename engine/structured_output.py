@@ -334,7 +334,3 @@ class StructuredOutputManager:
             raise RuntimeError(f"the {g.kind} grammar rejected token {token}, which its mask allowed")
         g.after_ed = token in self._masks.ends_with_ed
         return g.matcher.is_terminated()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
