@@ -191,6 +191,23 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> execute -> update. Returns the outputs it produced."""
+        outputs = self._report_rejected()
+        start, t0 = self.clock.now(), time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs + self._idle()
+        phases = {"schedule": time.perf_counter() - t0}
+        try:
+            tokens = self._execute(sched, phases)
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
+            return outputs + self._fail_step(sched, exc, start, t0)
+        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
+        # toward the step, so the clock is advanced by it afterwards.
+        return outputs + self._update(sched, tokens, start, self._end_step(t0), phases)
+
+    def _report_rejected(self) -> list[RequestOutput]:
+        """Requests refused at add_request are reported (finished, with their error) by the next step."""
         outputs = [self._output(r, [], "") for r in self._rejected]
         for r in self._rejected:
             r.metrics.finish_time = self.clock.now()
@@ -199,54 +216,58 @@ class LLMEngine:
         if self.structured.in_use:  # a spec that failed to compile fails its request before its prefill
             for req in self.structured.take_failed():
                 outputs.append(self._end_by_grammar(req, "error", req.grammar.error, self.clock.now()))
+        return outputs
 
-        start = self.clock.now()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            self.last_step = None
-            if self.scheduler.waiting and not self.scheduler.running:
-                # The rules guarantee progress (validation keeps every request within the cache);
-                # should that ever fail, the stuck request fails instead of the job spinning.
-                req = self.scheduler.waiting[0]
-                req.error = (
-                    f"request could not be scheduled ({req.num_tokens} tokens, "
-                    f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)"
-                )
-                self._finish(req, "error", self.clock.now())
-                outputs.append(self._output(req, [], ""))
-            return outputs
-        failed: list[str] = []
-        phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
-        try:
-            t1 = time.perf_counter()
-            logits = self.runner.execute(sched.scheduled)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t2 = time.perf_counter()
-            phases["prepare"] = self.runner.prepare_time
-            phases["forward"] = t2 - t1 - self.runner.prepare_time
-            samplers = [s.request for s in sched.scheduled if s.samples]
-            if self.structured.in_use and samplers:  # grammar masks: after raw logits, before sampling
-                self.structured.apply_masks(logits, samplers)
-            tokens = self.sampler.sample(logits, samplers) if samplers else []
-            phases["sample"] = time.perf_counter() - t2
-        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            error = f"step failed: {type(exc).__name__}: {exc}"
-            now = self._end_step(t0)
-            for s in sched.scheduled:
-                s.request.error = error
-                self._finish(s.request, "error", now)
-                failed.append(s.request.request_id)
-                outputs.append(self._output(s.request, [], ""))
-            self._record(sched, start, now, failed)
-            return outputs
-        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
-        # toward the step, so the clock is advanced by it afterwards.
+    def _idle(self) -> list[RequestOutput]:
+        self.last_step = None
+        if not (self.scheduler.waiting and not self.scheduler.running):
+            return []
+        # The rules guarantee progress (validation keeps every request within the cache); should
+        # that ever fail, the stuck request fails instead of the job spinning.
+        req = self.scheduler.waiting[0]
+        req.error = (f"request could not be scheduled ({req.num_tokens} tokens, "
+                     f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)")
+        self._finish(req, "error", self.clock.now())
+        return [self._output(req, [], "")]
+
+    def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> list[int]:
+        """The forward(s) and the sampler: one token per scheduled request that samples, in order."""
+        t1 = time.perf_counter()
+        logits = self.runner.execute(sched.scheduled)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        phases["prepare"] = self.runner.prepare_time
+        phases["forward"] = t2 - t1 - self.runner.prepare_time
+        samplers = [s.request for s in sched.scheduled if s.samples]
+        if self.structured.in_use and samplers:  # grammar masks: after the raw logits, before sampling
+            self.structured.apply_masks(logits, samplers)
+        tokens = self.sampler.sample(logits, samplers) if samplers else []
+        phases["sample"] = time.perf_counter() - t2
+        return tokens
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
+        """A forward or the sampler raised: this step's requests fail, every other request goes on."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        error = f"step failed: {type(exc).__name__}: {exc}"
         now = self._end_step(t0)
+        outputs, failed = [], []
+        for s in sched.scheduled:
+            s.request.error = error
+            self._finish(s.request, "error", now)
+            failed.append(s.request.request_id)
+            outputs.append(self._output(s.request, [], ""))
+        self._record(sched, start, now, failed)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int], start: float, now: float,
+                phases: dict[str, float]) -> list[RequestOutput]:
+        """num_computed_tokens catches up, full blocks join the prefix cache, sampled tokens are
+        appended, detokenised and checked for stops. One request's failure fails only that request."""
         t3 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        failed: list[str] = []
         token_iter = iter(tokens)
         for s in sched.scheduled:
             req = s.request
