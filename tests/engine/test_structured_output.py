@@ -369,3 +369,19 @@ def test_json_strings_never_hold_raw_control_characters_or_surrogates(tiny_hf_mo
     for o in outs:
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), schema)
+
+
+
+@pytest.mark.skipif(not hasattr(SamplingParams(), "n"), reason="n samples (branch samples) not merged yet")
+def test_each_of_n_samples_has_its_own_grammar_state(tiny_hf_model_dir):
+    """n > 1: the samples fork after one prefill; each draws its own tokens under its own matcher
+    (one matcher shared by the samples would be advanced by every sample's token)."""
+    eng = engine_for("tiny", tiny_hf_model_dir, num_blocks=12, max_model_len=128, size=16)
+    ps = prompts(eng, 4)
+    params = [SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=i,
+                             structured=StructuredOutputs(json_schema=SCHEMA)) for i in range(4)]
+    outs = eng.generate(ps, params)
+    assert len(outs) == 16
+    for o in outs:
+        check_json(o)
+    assert len({o.text for o in outs}) > 4
