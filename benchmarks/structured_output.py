@@ -113,13 +113,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="discarded leading repeats (allocator, caches)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     threads = bu.set_threads(args.threads)
     bu.quiet_random_weights()
     print(f"{args.requests} requests x prompt {args.prompt_len} / max_tokens {args.max_tokens}, temperature 1, "
-          f"fp32 CPU, {threads} thread(s), {args.repeats} alternating repeats")
+          f"fp32 CPU, {threads} thread(s), {args.repeats} alternating repeats after {args.warmup} discarded")
     print("| vocab | first compile s | run | plain tok/s | json tok/s | json/plain | tokens each | "
           "step ms plain | json | sample ms/step plain | json | masks ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -136,13 +137,15 @@ def main() -> None:
         req.grammar.compiled.result()  # TokenizerInfo + the vocabulary masks + this schema
         first = time.perf_counter() - t0
         ratios = []
-        for r in range(args.repeats):
+        for r in range(-args.warmup, args.repeats):
             res = {}
             for structured in ([False, True] if r % 2 == 0 else [True, False]):
                 eng = engine(kind, args)
                 eng.structured = probe.structured  # compiled already: the steady state, not the compile
                 res[structured] = run(eng, prompts, structured, args.max_tokens)
             assert res[True]["tokens"] == res[False]["tokens"]
+            if r < 0:
+                continue
             ratio = res[True]["tok_s"] / res[False]["tok_s"]
             ratios.append(ratio)
             print(f"| {kind} | {first:.2f} | {r} | {res[False]['tok_s']:.0f} | {res[True]['tok_s']:.0f} | "
