@@ -185,17 +185,19 @@ class GrammarState:
 class StructuredOutputManager:
     """Compiles specs (cached, on a background thread) and masks/advances requests' grammars."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], compile_threads: int | None = None):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], xgrammar_threads: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width
         self.eos_ids = sorted(eos_ids)
-        self.compile_threads = compile_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        # Threads of xgrammar's compiler and of the batched mask fill (half the cores, at most 8).
+        self.xgrammar_threads = xgrammar_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._compiler = None
         self._masks: VocabMasks | None = None  # set with the compiler
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._cache: dict[str, Future] = {}
         self._pending: list[Request] = []  # submitted, compile not yet seen to finish
+        self._filler = None  # xgrammar.BatchGrammarMatcher: fills many rows' masks on its own threads
         self.num_compiles = 0  # distinct specs compiled (or being compiled)
 
     @property
@@ -233,7 +235,7 @@ class StructuredOutputManager:
 
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
                 self._masks = VocabMasks.build(info, self.vocab_size, self.eos_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.xgrammar_threads)
         kind, value = spec_of(so)
         if kind == "json_schema":
             # Compact JSON (", " and ": " separators, no free whitespace): a model cannot spend its
@@ -288,8 +290,12 @@ class StructuredOutputManager:
         if not rows:
             return
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        for i, g in zip(rows, states):
-            g.matcher.fill_next_token_bitmask(bitmask, i)
+        if len(rows) == 1:
+            states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            if self._filler is None:
+                self._filler = xgr.BatchGrammarMatcher(max_threads=self.xgrammar_threads)
+            self._filler.batch_fill_next_token_bitmask([g.matcher for g in states], bitmask, indices=rows)
         # The rest is batched over the grammar rows (per-row tensor ops would cost more than the fills).
         index = torch.tensor(rows)
         masks = bitmask[index]
