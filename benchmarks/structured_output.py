@@ -7,7 +7,8 @@ both runs generate exactly requests x max_tokens tokens in the same batch shapes
 run uses a fresh engine that has already compiled the schema once (the compile is timed apart: the
 first compile also builds the vocabulary's TokenizerInfo). Reported: generated tokens per second, the
 median per-step 'sample' phase (which includes the masks), the masks' own median time per step
-(StructuredOutputManager.apply_masks: fill every row's bitmask, apply them) and the ratio.
+(StructuredOutputManager.apply_masks: fill every row's bitmask, apply them) and the ratio; then the
+mask fill's cost per row at three places of the schema (xgrammar's cost depends on the grammar state).
 
 Vocabularies: `byte` is the built-in tiny model (vocab 512, byte tokenizer, 259 ids); `bpe` is the
 same model shape with a byte-level BPE tokenizer trained here on the venv's Python sources
@@ -106,6 +107,34 @@ def run(eng: LLMEngine, prompts: list[list[int]], structured: bool, max_tokens: 
             "mask_ms": statistics.median(mask_times) * 1e3 if structured else 0.0}
 
 
+def fill_cost(eng: LLMEngine, rows: int, repeats: int = 5) -> list[tuple[str, float]]:
+    """Milliseconds per row to fill the mask of `rows` matchers (one batched call, median of repeats)
+    at three places of SCHEMA: before the object, inside the bounded "name" string, inside "notes"."""
+    import xgrammar as xgr
+
+    mgr = eng.structured
+    req = Request("fill", [1], SamplingParams(structured=StructuredOutputs(json_schema=SCHEMA)),
+                  RequestMetrics(arrival_time=0.0))
+    mgr.submit(req)
+    compiled = req.grammar.compiled.result()
+    out = []
+    for label, prefix in [("start", ""), ('in "name" (maxLength 12)', '{"name": "ab'),
+                          ('in "notes" (minLength 4096)', '{"name": "ab", "age": 7, "color": "red", "notes": "ab')]:
+        ids = eng.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+        for m in matchers:
+            assert all(m.accept_token(t) for t in ids), prefix
+        bitmask = xgr.allocate_token_bitmask(rows, eng.vocab_size)
+        filler = xgr.BatchGrammarMatcher(max_threads=mgr.xgrammar_threads)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            filler.batch_fill_next_token_bitmask(matchers, bitmask)
+            times.append(time.perf_counter() - t)
+        out.append((label, statistics.median(times) / rows * 1e3))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocabs", nargs="+", default=["byte", "bpe"], choices=["byte", "bpe"])
@@ -124,6 +153,7 @@ def main() -> None:
     print("| vocab | first compile s | run | plain tok/s | json tok/s | json/plain | tokens each | "
           "step ms plain | json | sample ms/step plain | json | masks ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    fills: dict[str, list[tuple[str, float]]] = {}
     for kind in args.vocabs:
         gen = torch.Generator().manual_seed(0)
         probe = engine(kind, args)
@@ -152,6 +182,13 @@ def main() -> None:
                   f"{ratio:.2f} | {res[False]['tokens']} | {res[False]['step_ms']:.2f} | {res[True]['step_ms']:.2f} | "
                   f"{res[False]['sample_ms']:.2f} | {res[True]['sample_ms']:.2f} | {res[True]['mask_ms']:.2f} |", flush=True)
         print(f"| {kind} | | median | | | **{statistics.median(ratios):.2f}** | | | | | | |", flush=True)
+        fills[kind] = fill_cost(probe, args.requests)
+    print(f"\nmask fill per row, {args.requests} rows in one batched call, xgrammar threads "
+          f"{probe.structured.xgrammar_threads}, ms")
+    print("| vocab | " + " | ".join(label for label, _ in next(iter(fills.values()))) + " |")
+    print("|---|" + "---:|" * len(next(iter(fills.values()))))
+    for kind, row in fills.items():
+        print(f"| {kind} | " + " | ".join(f"{ms:.3f}" for _, ms in row) + " |")
 
 
 if __name__ == "__main__":
