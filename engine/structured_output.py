@@ -26,6 +26,7 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 from engine.request import Request
 from engine.sampling_params import StructuredOutputs
 
+CACHE_SIZE = 256  # compiled specs kept (one grammar's token-mask cache can be megabytes)
 _INSTALL_HINT = "structured output needs xgrammar: pip install 'ladle[structured]'"
 
 
@@ -144,8 +146,14 @@ class VocabMasks:
         return cls(torch.stack([_pack(r) for r in rows]), frozenset(ends_with_ed))
 
 
+class VocabularyError(RuntimeError):
+    """The engine's tokenizer could not be turned into xgrammar's vocabulary (no spec is at fault)."""
+
+
 def _compile_error(kind: str, exc: BaseException) -> str:
     """'json_schema is not valid: <the compiler's reason>' without the C++ file/line prefix."""
+    if isinstance(exc, VocabularyError):
+        return f"structured output is not available for this model's tokenizer: {exc}"
     text = str(exc).strip()
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
     text = re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
@@ -195,7 +203,8 @@ class StructuredOutputManager:
         self._masks: VocabMasks | None = None  # set with the compiler
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: dict[str, Future] = {}
+        # Compiles by spec, least recently used first (requests hold their own reference to theirs).
+        self._cache: OrderedDict[str, Future] = OrderedDict()
         self._pending: list[Request] = []  # submitted, compile not yet seen to finish
         self._filler = None  # xgrammar.BatchGrammarMatcher: fills many rows' masks on its own threads
         self.num_compiles = 0  # distinct specs compiled (or being compiled)
@@ -217,12 +226,16 @@ class StructuredOutputManager:
         kind, _ = spec_of(so)
         key = cache_key(so)
         future = self._cache.get(key)
-        if future is None:
+        if future is not None:
+            self._cache.move_to_end(key)
+        else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-grammar")
             future = self._pool.submit(self._compile, so)
             self._cache[key] = future
             self.num_compiles += 1
+            if len(self._cache) > CACHE_SIZE:  # many per-row schemas: memory stays bounded
+                self._cache.popitem(last=False)
         stop_ids = sorted(set(self.eos_ids) | set(req.params.stop_token_ids))
         req.grammar = GrammarState(kind, future, stop_ids)
         self._pending.append(req)
@@ -233,9 +246,13 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
-                self._masks = VocabMasks.build(info, self.vocab_size, self.eos_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.xgrammar_threads)
+                try:
+                    info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
+                    self._masks = VocabMasks.build(info, self.vocab_size, self.eos_ids)
+                except Exception as exc:  # reported as what it is, not as a bad spec
+                    raise VocabularyError(f"{type(exc).__name__}: {exc}") from exc
+                # xgrammar's own cache is off: this class's bounded cache is the one.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.xgrammar_threads, cache_enabled=False)
         kind, value = spec_of(so)
         if kind == "json_schema":
             # Compact JSON (", " and ": " separators, no free whitespace): a model cannot spend its

@@ -385,3 +385,22 @@ def test_each_of_n_samples_has_its_own_grammar_state(tiny_hf_model_dir):
     for o in outs:
         check_json(o)
     assert len({o.text for o in outs}) > 4
+
+
+def test_a_tokenizer_xgrammar_cannot_use_is_named_not_blamed_on_the_spec():
+    mgr = StructuredOutputManager(object(), 16, eos_ids=[1])
+    req = Request("r", [1], sampling(0.0, None, regex="a"), RequestMetrics(arrival_time=0.0))
+    assert mgr.submit(req) is None
+    assert not req.grammar.ready()
+    assert req.grammar.error.startswith("structured output is not available for this model's tokenizer")
+    assert "regex is not valid" not in req.grammar.error
+
+
+def test_the_compile_cache_is_bounded(monkeypatch):
+    import engine.structured_output as so
+
+    monkeypatch.setattr(so, "CACHE_SIZE", 2)
+    mgr = StructuredOutputManager(ByteTokenizer(), 259, eos_ids=[257])
+    for regex in ["a", "b", "c", "a", "c"]:  # "a" was evicted by "c"; "c" is still cached
+        mgr.submit(Request("r", [1], sampling(0.0, None, regex=regex), RequestMetrics(arrival_time=0.0)))
+    assert mgr.num_compiles == 4 and len(mgr._cache) == 2
