@@ -26,6 +26,7 @@ from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputManager
 from kernels import get_backend
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._detok: dict[Request, DetokState] = {}  # per sequence (the n samples of a request each have one)
         self._rejected: list[Request] = []
@@ -146,6 +148,8 @@ class LLMEngine:
         req = Request(rid, ids, params, RequestMetrics(arrival_time=arrival), index=next(self._order))
         try:
             error = error or self._validate(req)
+            if error is None and params.structured is not None:  # compile starts now, off the step's path
+                error = self.structured.submit(req)
         except Exception as exc:  # noqa: BLE001 - e.g. a params object of the wrong kind
             error = f"invalid request: {type(exc).__name__}: {exc}"
         self.requests[rid] = req
@@ -243,6 +247,9 @@ class LLMEngine:
             r.metrics.finish_time = self.clock.now()
             self._release(r)
         self._rejected = []
+        if self.structured.in_use:  # a spec that failed to compile fails its request before its prefill
+            for req in self.structured.take_failed():
+                outputs.append(self._end_by_grammar(req, "error", req.grammar.error, self.clock.now()))
         return outputs
 
     def _idle(self) -> list[RequestOutput]:
@@ -275,6 +282,8 @@ class LLMEngine:
         # Raw logprobs: before temperature, filters or any mask touch the logits.
         sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
         # -- end issue 13 (samples) --
+        if self.structured.in_use and samplers:  # grammar masks: on the expanded rows, after raw logprobs
+            self.structured.apply_masks(logits, samplers)
         tokens = self.sampler.sample(logits, samplers) if samplers else []
         phases["sample"] = time.perf_counter() - t2
         lps = sample_logprobs.results(tokens)
@@ -403,6 +412,10 @@ class LLMEngine:
     # -- end issue 13 (samples) ----------------------------------------------------------------------
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        if req.grammar is not None:  # a failed compile, or a grammar with nothing left to allow
+            ended = self.structured.verdict(req)
+            if ended is not None:
+                return self._end_by_grammar(req, *ended, now)
         req.output_token_ids.append(token)
         m = req.metrics
         m.token_times.append(now)
@@ -412,7 +425,8 @@ class LLMEngine:
         detok = self._detok[req]
         new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
         reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
+        if grammar_ended or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
@@ -434,6 +448,14 @@ class LLMEngine:
         emitted = req.num_emitted_chars
         req.num_emitted_chars = max(emitted, visible)
         return self._output(req, [token], req.text[emitted : req.num_emitted_chars])
+
+    def _end_by_grammar(self, req: Request, reason: str, error: str | None, now: float) -> RequestOutput:
+        """Finish a structured request without a new token; text held back for stop strings is released."""
+        req.error = error
+        self._finish(req, reason, now)
+        emitted = req.num_emitted_chars
+        req.num_emitted_chars = len(req.text)
+        return self._output(req, [], req.text[emitted:])
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason = reason

@@ -83,6 +83,8 @@ class Request:
     prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=lambda: [[]])
     # -- end issue 13 (samples) --
+    # Structured output: its GrammarState (engine/structured_output.py), None without a spec.
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -71,4 +71,31 @@ class SamplingParams:
             isinstance(x, int) for x in self.stop_token_ids
         ):
             out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        # -- issue 13: structured output (branch structured) --
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                out.append(f"structured={self.structured!r} must be a StructuredOutputs or None")
+            else:
+                out.extend(structured_problems(self.structured))
+        # -- end issue 13 (structured) --
         return out
+
+
+def structured_problems(spec: StructuredOutputs) -> list[str]:
+    """What is wrong with the spec before compiling it (compile errors come from the grammar compiler)."""
+    fields = {k: getattr(spec, k) for k in ("json_schema", "regex", "choice", "grammar")}
+    given = [k for k, v in fields.items() if v is not None]
+    if len(given) != 1:
+        names = ", ".join(given) if given else "none"
+        return [f"structured: set exactly one of json_schema, regex, choice, grammar (got {names})"]
+    kind, value = given[0], fields[given[0]]
+    if kind == "json_schema" and not isinstance(value, (str, dict)):
+        return [f"structured.json_schema must be a JSON string or a dict, got {type(value).__name__}"]
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value.strip()):
+        return [f"structured.{kind}={value!r} must be a non-empty string"]
+    if kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value:
+            return [f"structured.choice={value!r} must be a non-empty list of strings"]
+        if not all(isinstance(c, str) and c for c in value):
+            return [f"structured.choice={value!r} must hold non-empty strings only"]
+    return []

@@ -1,0 +1,359 @@
+"""Structured output: a request's json_schema / regex / choice / grammar becomes a token mask.
+
+xgrammar compiles each spec against the engine's vocabulary (a TokenizerInfo built once, the first
+time a request asks for structured output) into a grammar whose matcher says, at every step, which
+tokens may come next. The engine uses three hooks:
+
+- `submit(req)` at add_request: the compile starts on a background thread (one per engine), cached
+  per spec (the key is the spec's canonical JSON), so the same schema is compiled once and a request
+  arriving while its schema compiles shares that compile.
+- `apply_masks(logits, requests)` right before Sampler.sample: the sampling rows with a grammar get
+  one batched bitmask (tokens the grammar forbids, the model's padding ids beyond the tokenizer's
+  vocabulary among them, set to -inf), so greedy, temperature and top-k/p/min-p all choose within the
+  grammar. A request whose compile is still running is waited for here, on its first sampling step
+  only (its prefill ran meanwhile).
+- `accept(req, token)` when the engine appends a sampled token: the request's matcher advances;
+  "stop" once the grammar is complete and took a stop token (EOS or the request's stop_token_ids).
+  Only sampled tokens are accepted: a preempted request recomputes its KV from tokens it already has
+  and samples nothing new until it catches up, so its matcher is never advanced twice.
+
+A spec that does not compile fails its own request only (finish_reason "error", the compiler's message).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.request import Request
+from engine.sampling_params import StructuredOutputs
+
+CACHE_SIZE = 256  # compiled specs kept (one grammar's token-mask cache can be megabytes)
+_INSTALL_HINT = "structured output needs xgrammar: pip install 'ladle[structured]'"
+
+
+def spec_of(so: StructuredOutputs) -> tuple[str, Any]:
+    """(kind, value) of the one field set (SamplingParams.problems() has checked there is exactly one)."""
+    for kind in ("json_schema", "regex", "choice", "grammar"):
+        value = getattr(so, kind)
+        if value is not None:
+            return kind, value
+    raise ValueError("StructuredOutputs has no field set")
+
+
+def cache_key(so: StructuredOutputs) -> str:
+    """The spec as canonical JSON: equal specs (a schema as dict or as text, any key order) share a compile."""
+    kind, value = spec_of(so)
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # not JSON: compiling it reports the error; key on the raw text
+    return json.dumps([kind, value], sort_keys=True, ensure_ascii=False)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF alternation of the literal strings. JSON string quoting is also xgrammar's EBNF literal
+    syntax (backslash, quote, control characters escaped; other characters, unicode included, as is)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_ids: list[int]):
+    """xgrammar's view of the vocabulary. vocab_size is the model's logits width: ids the tokenizer does
+    not know (a padded LM head) are special to xgrammar, never allowed by a mask."""
+    import xgrammar as xgr
+
+    from models.tokenizer import ByteTokenizer, HFTokenizer  # engine -> models
+
+    if isinstance(tokenizer, HFTokenizer):
+        return xgr.TokenizerInfo.from_huggingface(
+            tokenizer.tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None
+        )
+    if isinstance(tokenizer, ByteTokenizer):
+        # Ids 0-255 are the bytes themselves. Everything else (<bos>/<eos>/<pad>, or a stand-in's ids
+        # it cannot name) is an empty string, which xgrammar treats as special: never part of the text.
+        # Stop ids are emptied too: with the stand-in, the model's EOS may be a byte (0x02) that must
+        # end the text, not be text.
+        vocab: list[bytes | str] = [bytes([i]) for i in range(256)]
+        vocab += [""] * (min(tokenizer.vocab_size, vocab_size) - 256)
+        for i in stop_ids:
+            if 0 <= i < len(vocab):
+                vocab[i] = ""
+        return xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None
+        )
+    raise TypeError(f"structured output does not know the tokenizer {type(tokenizer).__name__}")
+
+
+def _pack(allowed) -> torch.Tensor:
+    """A bool vector over the vocabulary as one xgrammar bitmask row (bit j of word k = token 32k+j)."""
+    import numpy as np
+
+    words = (len(allowed) + 31) // 32
+    padded = np.zeros(words * 32, dtype=bool)
+    padded[: len(allowed)] = allowed
+    bits = (padded.reshape(words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    return torch.from_numpy(bits.astype(np.uint32).view(np.int32).copy())
+
+
+@dataclass
+class VocabMasks:
+    """Token restrictions ANDed onto xgrammar's masks, for two gaps in xgrammar 0.2.8:
+
+    - It accepts UTF-8-encoded surrogates (ED A0..BF ..) as characters; Python, and every strict
+      UTF-8 decoder, reads them as three U+FFFD, so a maxLength or a regex would no longer hold on the
+      text. Tokens holding one are forbidden, and so is continuing a trailing ED byte with A0-BF.
+    - Its rule for JSON strings with minLength/maxLength (any character but quote, backslash, CR, LF)
+      lets raw control characters (0x00-0x1f) through, which JSON forbids. Compact JSON (see _compile)
+      never contains one, so JSON rows forbid every token holding one.
+    Stop ids stay allowed: they end the text, they are not part of it."""
+
+    table: torch.Tensor  # [4, words]: row (is json) + 2 * (text ends with ED) is what a row may hold
+    ends_with_ed: frozenset[int]
+
+    @classmethod
+    def build(cls, info: Any, vocab_size: int, stop_ids: list[int]) -> VocabMasks:
+        import numpy as np
+
+        surrogate = re.compile(rb"\xed[\xa0-\xbf]")
+        every = np.ones(vocab_size, dtype=bool)
+        no_ctrl = np.ones(vocab_size, dtype=bool)
+        after_ed = np.ones(vocab_size, dtype=bool)
+        ends_with_ed = set()
+        for i, token in enumerate(info.decoded_vocab[:vocab_size]):
+            if not token:
+                continue
+            if surrogate.search(token):
+                every[i] = False
+            if any(b < 0x20 for b in token):
+                no_ctrl[i] = False
+            if 0xA0 <= token[0] <= 0xBF:
+                after_ed[i] = False
+            if token[-1] == 0xED:
+                ends_with_ed.add(i)
+        stops = [i for i in stop_ids if 0 <= i < vocab_size]
+        every[stops] = no_ctrl[stops] = after_ed[stops] = True
+        json = every & no_ctrl
+        rows = [every, json, every & after_ed, json & after_ed]
+        return cls(torch.stack([_pack(r) for r in rows]), frozenset(ends_with_ed))
+
+
+class VocabularyError(RuntimeError):
+    """The engine's tokenizer could not be turned into xgrammar's vocabulary (no spec is at fault)."""
+
+
+def _compile_error(kind: str, exc: BaseException) -> str:
+    """'json_schema is not valid: <the compiler's reason>' without the C++ file/line prefix."""
+    if isinstance(exc, VocabularyError):
+        return f"structured output is not available for this model's tokenizer: {exc}"
+    text = str(exc).strip()
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    text = re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+    text = text.splitlines()[0] if text else type(exc).__name__
+    return f"{kind} is not valid: {text}"
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """A request's (or a sample's) grammar: the shared compile and its own matcher."""
+
+    kind: str
+    compiled: Future
+    stop_ids: list[int]
+    matcher: Any = None
+    error: str | None = None  # set when the compile failed: the request fails with it
+    exhausted: bool = False  # the grammar allows no further token at all (no stop token exists)
+    after_ed: bool = False  # the text so far ends with the lead byte ED (see VocabMasks)
+
+    def ready(self) -> bool:
+        """Make the matcher (waiting for the compile if needed). False if the compile failed."""
+        if self.matcher is None and self.error is None:
+            import xgrammar as xgr
+
+            try:
+                grammar = self.compiled.result()
+            except Exception as exc:  # noqa: BLE001 - any compile failure is this request's error
+                self.error = _compile_error(self.kind, exc)
+                return False
+            if self.stop_ids:
+                self.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
+            else:  # no stop token in this vocabulary: the grammar ends the output itself
+                self.matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+        return self.error is None
+
+
+class StructuredOutputManager:
+    """Compiles specs (cached, on a background thread) and masks/advances requests' grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], xgrammar_threads: int | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width
+        self.eos_ids = sorted(eos_ids)
+        # Threads of xgrammar's compiler and of the batched mask fill (half the cores, at most 8).
+        self.xgrammar_threads = xgrammar_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._compiler = None
+        self._masks: VocabMasks | None = None  # set with the compiler
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        # Compiles by spec, least recently used first (requests hold their own reference to theirs).
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._pending: list[Request] = []  # submitted, compile not yet seen to finish
+        self._filler = None  # xgrammar.BatchGrammarMatcher: fills many rows' masks on its own threads
+        self.num_compiles = 0  # distinct specs compiled (or being compiled)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any request ever asked for structured output (else the per-step hooks do nothing)."""
+        return bool(self._cache)
+
+    # -- compiling -------------------------------------------------------------------------------
+    def submit(self, req: Request) -> str | None:
+        """Start compiling req's spec (or share a compile of the same spec). Returns an error message
+        when structured output cannot be served at all (xgrammar missing)."""
+        so = req.params.structured
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            return _INSTALL_HINT
+        kind, _ = spec_of(so)
+        key = cache_key(so)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-grammar")
+            future = self._pool.submit(self._compile, so)
+            self._cache[key] = future
+            self.num_compiles += 1
+            if len(self._cache) > CACHE_SIZE:  # many per-row schemas: memory stays bounded
+                self._cache.popitem(last=False)
+        stop_ids = sorted(set(self.eos_ids) | set(req.params.stop_token_ids))
+        req.grammar = GrammarState(kind, future, stop_ids)
+        self._pending.append(req)
+        return None
+
+    def _compile(self, so: StructuredOutputs):
+        with self._lock:  # the TokenizerInfo is built once, on this thread, off the step's path
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                try:
+                    info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
+                    self._masks = VocabMasks.build(info, self.vocab_size, self.eos_ids)
+                except Exception as exc:  # reported as what it is, not as a bad spec
+                    raise VocabularyError(f"{type(exc).__name__}: {exc}") from exc
+                # xgrammar's own cache is off: this class's bounded cache is the one.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.xgrammar_threads, cache_enabled=False)
+        kind, value = spec_of(so)
+        if kind == "json_schema":
+            # Compact JSON (", " and ": " separators, no free whitespace): a model cannot spend its
+            # token budget on whitespace, a known failure of unconstrained-whitespace JSON grammars.
+            schema = value if isinstance(value, str) else json.dumps(value)
+            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+        if kind == "regex":
+            return self._compiler.compile_regex(value)
+        if kind == "choice":
+            return self._compiler.compile_grammar(choice_grammar(list(value)))
+        return self._compiler.compile_grammar(value)
+
+    def take_failed(self) -> list[Request]:
+        """Unfinished requests whose compile has failed since the last call: the engine fails them
+        before spending a prefill on them."""
+        failed, pending = [], []
+        for req in self._pending:
+            g = req.grammar
+            if req.finished or g.matcher is not None or g.error is not None:
+                continue
+            if not g.compiled.done():
+                pending.append(req)
+            elif not g.ready():
+                failed.append(req)
+        self._pending = pending
+        return failed
+
+    # -- per step --------------------------------------------------------------------------------
+    def state(self, req: Request) -> GrammarState | None:
+        """The request's grammar; a sample forked from a parent (n > 1) gets its own matcher of the
+        parent's compile the first time it samples."""
+        if req.grammar is None:
+            parent = getattr(req, "parent", None)
+            if parent is None or parent.grammar is None:
+                return None
+            p = parent.grammar
+            req.grammar = GrammarState(p.kind, p.compiled, p.stop_ids)
+        return req.grammar
+
+    def apply_masks(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mask the logits rows (one per request, in order) of requests with a grammar, in place.
+        Rows of failed or exhausted grammars are left alone: the engine ends those requests instead
+        of appending their token (see verdict)."""
+        import xgrammar as xgr
+
+        rows, states = [], []
+        for i, req in enumerate(requests):
+            g = self.state(req)
+            if g is not None and g.ready():
+                rows.append(i)
+                states.append(g)
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        if len(rows) == 1:
+            states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            if self._filler is None:
+                self._filler = xgr.BatchGrammarMatcher(max_threads=self.xgrammar_threads)
+            self._filler.batch_fill_next_token_bitmask([g.matcher for g in states], bitmask, indices=rows)
+        # The rest is batched over the grammar rows (per-row tensor ops would cost more than the fills).
+        index = torch.tensor(rows)
+        masks = bitmask[index]
+        exhausted = ~masks.any(dim=1)  # nothing allowed: the grammar is complete and has no stop token
+        codes = torch.tensor([(g.kind == "json_schema") + 2 * g.after_ed for g in states])
+        masks &= self._masks.table[codes]
+        stuck = ~masks.any(dim=1) & ~exhausted
+        bitmask[index] = masks
+        keep = []
+        for i, g, ex, st in zip(rows, states, exhausted.tolist(), stuck.tolist()):
+            if ex:
+                g.exhausted = True
+            elif st:
+                g.error = f"{g.kind} cannot continue: it allows only raw control characters or surrogates here"
+            else:
+                keep.append(i)
+        if keep:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=keep
+            )
+
+    @staticmethod
+    def verdict(req: Request) -> tuple[str, str | None] | None:
+        """(finish_reason, error) when the request must end instead of taking its sampled token."""
+        g = req.grammar
+        if g is None:
+            return None
+        if g.error is not None:
+            return "error", g.error
+        if g.exhausted:
+            return "stop", None
+        return None
+
+    def accept(self, req: Request, token: int) -> bool:
+        """Advance the request's matcher by its sampled token; True when the grammar has ended.
+        A token the mask allowed is always accepted; a rejection would mean the mask and the matcher
+        disagree, so it is an error rather than an output that silently breaks the spec."""
+        g = req.grammar
+        if g is None or not g.ready():
+            return False
+        if not g.matcher.accept_token(token):
+            raise RuntimeError(f"the {g.kind} grammar rejected token {token}, which its mask allowed")
+        g.after_ed = token in self._masks.ends_with_ed
+        return g.matcher.is_terminated()
