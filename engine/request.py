@@ -43,6 +43,11 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     error: str | None
     metrics: RequestMetrics
+    sample_index: int = 0               # request_id is the id given to add_request, same for all n samples
+    logprobs: list[float] | None = None        # per generated token: logprob of the chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None = None   # per generated token: top-k (token_id, logprob), best first
+    prompt_logprobs: list[float | None] | None = None           # per prompt position i: log P(prompt[i] | prompt[:i]); [0] is None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # per prompt position; [0] is []
 
 
 @dataclass(slots=True, eq=False)

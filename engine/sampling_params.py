@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputs:            # exactly one field set
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None      # EBNF / GBNF text
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -16,6 +24,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1                      # samples per prompt; prompt prefilled once, KV shared
+    logprobs: int | None = None     # None = off; k >= 0: chosen token's logprob + top-k alternatives
+    prompt_logprobs: int | None = None  # None = off; k >= 0: logprob of every prompt token (+ top-k)
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
