@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 from omegaconf import DictConfig, OmegaConf
 
 from engine.sampling_params import SamplingParams
 from runner.arrivals import ArrivalError, ArrivalStreams
 from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config, uses_load
 from runner.report import format_table, summarize, write_summary
+from runner.sampling import base_params, row_params
 from runner.sinks import (
     CONFIG_KEY,
     STEPS_SCHEMA,
@@ -42,8 +44,9 @@ from runner.sinks import (
     previous_batches,
     read_config_yaml,
     recover,
+    sample_indices,
 )
-from runner.source import Row, Source, encode_prompt, open_source
+from runner.source import Row, Source, encode_prompt, open_source, sampling_columns
 
 log = logging.getLogger("ladle")
 
@@ -51,6 +54,12 @@ GENERATIONS = "generations.parquet"
 STEPS = "steps.parquet"
 SUMMARY = "summary.json"
 NO_PROGRESS_LIMIT = 10_000  # consecutive engine steps without a token: the engine is stuck
+ERRORED = -1  # in a done id's sample set: the row was written as an error, it is done whatever its n
+
+
+def is_done(written: set[int] | None, n: int) -> bool:
+    """Whether a row whose previous runs wrote these sample indices needs no more samples."""
+    return written is not None and (ERRORED in written or all(k in written for k in range(n)))
 
 
 @dataclass(slots=True)
@@ -61,6 +70,9 @@ class Pending:
     text: str | None
     params: SamplingParams | None
     error: str | None = None
+    # -- issue 13 (features-io): n samples --
+    skip: frozenset[int] = frozenset()  # sample indices a previous run already wrote (resume)
+    remaining: int = 1  # samples not yet finished
 
 
 @dataclass
@@ -93,19 +105,17 @@ def vocab_size(engine: Any) -> int | None:
         return None
 
 
-def _as_max_tokens(value: Any, default: int) -> tuple[int, str | None]:
-    if value is None:
-        return default, None
-    if isinstance(value, bool):
-        return default, f"max_tokens column holds {value!r}, not an integer"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int):
-        try:
-            value = int(str(value))
-        except ValueError:
-            return default, f"max_tokens column holds {value!r}, not an integer"
-    return value, None
+def _top(pairs: list[list[tuple[int, float]]] | None) -> list[list[dict[str, Any]]] | None:
+    if pairs is None:
+        return None
+    return [[{"token_id": t, "logprob": lp} for t, lp in pos] for pos in pairs]
+
+
+def _logprob_columns(o: Any) -> dict[str, Any]:
+    """The logprob columns of one finished output (null where not asked for)."""
+    return {"logprobs": getattr(o, "logprobs", None), "top_logprobs": _top(getattr(o, "top_logprobs", None)),
+            "prompt_logprobs": getattr(o, "prompt_logprobs", None),
+            "prompt_top_logprobs": _top(getattr(o, "prompt_top_logprobs", None))}
 
 
 def _rel(t: float | None, t0: float) -> float | None:
@@ -239,12 +249,17 @@ class Job:
                         "use a new hydra.run.dir (or output.resume=false) to start over",
                         self.out_dir, "/".join(changed))
 
-    def _done_ids(self, gen_path: Path) -> set[str]:
-        done: set[str] = set()
+    # -- issue 13 (features-io): an id is done when all its samples are written --
+    def _done_ids(self, gen_path: Path) -> dict[str, set[int]]:
+        """id -> the sample indices already written; an error row puts ERRORED there (done whatever n)."""
+        done: dict[str, set[int]] = {}
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
-                done.update(t.column("id").to_pylist())
+                errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
+                for rid, k, err in zip(t.column("id").to_pylist(), sample_indices(t), errs, strict=True):
+                    done.setdefault(rid, set()).add(ERRORED if err else k)
         return done
+    # -- end issue 13 --
 
     def _plots(self, gen_path: Path, steps_path: Path) -> dict[str, Path]:
         from runner.plots import plot_latency, plot_schedule
@@ -290,7 +305,7 @@ def _call(obj: Any, name: str) -> Any:
 class _Loop:
     """Feeds the engine from the source by arrival time and writes what comes out."""
 
-    def __init__(self, job: Job, eng: Any, source: Source, done: set[str], attempt: int) -> None:
+    def __init__(self, job: Job, eng: Any, source: Source, done: dict[str, set[int]], attempt: int) -> None:
         self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
         self.cfg = job.job
         self.calibration: Any = None  # runner.calibration.Calibration when an arrival process has a `load`
@@ -300,6 +315,7 @@ class _Loop:
         self.max_pending = self.cfg.max_pending or 4 * self.cfg.max_num_seqs
         self.heap: list[tuple[float, int, Pending]] = []  # (absolute arrival, source order, request)
         self.in_engine: dict[str, Pending] = {}
+        self.failed: dict[str, Pending] = {}  # requests that reported an error: later samples still get rows
         self.resumed = 0
         self.arrived = 0  # requests added since the last step
         self.last_step: int | None = None
@@ -327,7 +343,8 @@ class _Loop:
     # -- reading -----------------------------------------------------------------------------------------
     def _requests(self) -> Iterator[Pending]:
         w = self.cfg.workload
-        base = self.cfg.sampling
+        base = base_params(self.cfg.sampling)
+        columns = sampling_columns(w)
         if w.ignore_eos is not None:
             base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
         streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, self.calibration)
@@ -339,9 +356,17 @@ class _Loop:
             return encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
                                  w.chat_template_kwargs)
 
+        def sampling(row: Row) -> tuple[SamplingParams, str | None]:
+            values = dict(row.sampling or {})
+            if row.max_tokens is not None:
+                values.setdefault("max_tokens", row.max_tokens)
+            return row_params(base, values, columns, row.index)
+
         for batch in self.source.batches():
+            params = {row.index: sampling(row) for row in batch}
+            done = {row.index for row in batch if is_done(self.done.get(row.id), params[row.index][0].n)}
             # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
-            encoded = {row.index: encode(row) for row in batch if row.id not in self.done or streams.unresolved()}
+            encoded = {row.index: encode(row) for row in batch if row.index not in done or streams.unresolved()}
             if streams.unresolved():
                 lengths: dict[str | None, list[int]] = {}
                 for row in batch:
@@ -355,7 +380,7 @@ class _Loop:
                     arrival = streams.next(row.klass, row.arrival)
                 except ArrivalError as e:
                     arrival, error = math.nan, error or str(e)
-                if row.id in self.done:
+                if row.index in done:
                     self.resumed += 1
                     continue
                 if seen is not None:
@@ -364,11 +389,10 @@ class _Loop:
                     seen.add(row.id)
                 enc = encoded[row.index]
                 error = error or enc.error
-                max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
-                error = error or mt_error
-                params = dataclasses.replace(
-                    base, max_tokens=max_tokens, seed=None if base.seed is None else base.seed + row.index)
-                yield Pending(row, arrival, enc.token_ids, enc.text, params, error)
+                p, p_error = params[row.index]
+                error = error or p_error
+                skip = frozenset(self.done.get(row.id, ()))
+                yield Pending(row, arrival, enc.token_ids, enc.text, p, error, skip, p.n)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -437,10 +461,21 @@ class _Loop:
         })
 
     def _write_output(self, o: Any) -> None:
-        p = self.in_engine.pop(o.request_id, None)
+        # -- issue 13 (features-io): n finished outputs per request, one row each --
+        p = self.in_engine.get(o.request_id) or self.failed.get(o.request_id)
         if p is None:  # a request someone else put into a shared engine: not this job's row
             log.warning("ignoring output of request %r, which this job did not add", o.request_id)
             return
+        sample = getattr(o, "sample_index", 0) or 0
+        p.remaining -= 1
+        if p.remaining <= 0 or o.finish_reason == "error":
+            # an error before the fork is the only output of all n samples; one after it, just its own
+            self.in_engine.pop(o.request_id, None)
+            if o.finish_reason == "error":
+                self.failed[o.request_id] = p
+        if sample in p.skip:  # written by a previous run (a resumed row whose other samples were missing)
+            return
+        # -- end issue 13 --
         m, t0 = o.metrics, self.t0
         times = [t - t0 for t in m.token_times]
         n = len(o.output_token_ids)
@@ -458,11 +493,12 @@ class _Loop:
             "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
             "e2e_s": None if finish is None else finish - arrival,
             "num_prefill_chunks": m.num_prefill_chunks, "num_preemptions": m.num_preemptions,
-            "num_cached_tokens": m.num_cached_tokens,
+            "num_cached_tokens": m.num_cached_tokens, "sample_index": sample, **_logprob_columns(o),
         })
 
     def _write_row(self, p: Pending, values: dict[str, Any]) -> None:
-        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt, **values}
+        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt,
+               "sample_index": 0, **values}
         if self.cfg.output.include_prompt:
             row["prompt"] = p.text
         self.job.gen.write(row)
