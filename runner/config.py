@@ -251,6 +251,9 @@ def check(job: JobConfig) -> None:
     _one_of("workload.arrivals.process", w.arrivals.process, ARRIVAL_PROCESSES)
     _one_of("workload.arrivals.unit", w.arrivals.unit, ("s", "ms"))
     _one_of("clock", job.clock, CLOCKS)
+    if w.kind == "openai_batch" and job.executor.kind != "local":
+        raise ConfigError("workload=openai_batch runs with executor=local only (its output file is written "
+                          "from one run directory)")
     if w.kind != "synthetic" and not w.path:
         raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
     _check_arrivals("workload.arrivals", w.arrivals)

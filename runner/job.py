@@ -46,7 +46,7 @@ from runner.sinks import (
     recover,
     sample_indices,
 )
-from runner.source import Row, Source, encode_prompt, open_source, sampling_columns
+from runner.source import Row, Source, encode_prompt, open_source
 
 log = logging.getLogger("ladle")
 
@@ -224,6 +224,13 @@ class Job:
         }
         summary = summarize(gen_path, steps_path, extra)
         files = {"generations": gen_path, "steps": steps_path, "summary": out / SUMMARY}
+        # -- issue 13 (features-io): OpenAI batch output, rebuilt from every row once the run is complete
+        if job.workload.kind == "openai_batch" and not interrupted and self._source is None:
+            from runner.openai_batch import BATCH_OUTPUT, write_batch_output
+
+            files["batch_output"] = write_batch_output(job.workload, gen_path, out / BATCH_OUTPUT,
+                                                       eng.tokenizer, job.model.name)
+        # -- end issue 13 --
         write_summary(summary, files["summary"])
         if job.output.plots and not interrupted:
             files.update(self._plots(gen_path, steps_path))
@@ -344,7 +351,7 @@ class _Loop:
     def _requests(self) -> Iterator[Pending]:
         w = self.cfg.workload
         base = base_params(self.cfg.sampling)
-        columns = sampling_columns(w)
+        names = self.source.value_names
         if w.ignore_eos is not None:
             base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
         streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, self.calibration)
@@ -360,7 +367,7 @@ class _Loop:
             values = dict(row.sampling or {})
             if row.max_tokens is not None:
                 values.setdefault("max_tokens", row.max_tokens)
-            return row_params(base, values, columns, row.index)
+            return row_params(base, values, names, row.index)
 
         for batch in self.source.batches():
             params = {row.index: sampling(row) for row in batch}

@@ -171,10 +171,16 @@ def param_problems(p: SamplingParams) -> list[str]:
     return out
 
 
-def row_params(base: SamplingParams, values: dict[str, Any], columns: dict[str, str],
+def column_names(columns: dict[str, str]) -> dict[str, str]:
+    """Sampling key -> how an error message names where a row's value came from."""
+    return {k: f"column {c!r}" for k, c in columns.items()}
+
+
+def row_params(base: SamplingParams, values: dict[str, Any], names: dict[str, str],
                index: int) -> tuple[SamplingParams, str | None]:
-    """One row's SamplingParams: `base` with the row's non-null column values (raw, by sampling key),
-    and the seed `base.seed + index` unless the row has its own. Returns (params, error message)."""
+    """One row's SamplingParams: `base` with the row's non-null values (raw, by sampling key), and the
+    seed `base.seed + index` unless the row has its own. `names` says where each value came from (see
+    column_names). Returns (params, error message naming the value and where it came from)."""
     kw: dict[str, Any] = {}
     if base.seed is not None:
         kw["seed"] = base.seed + index
@@ -185,7 +191,7 @@ def row_params(base: SamplingParams, values: dict[str, Any], columns: dict[str, 
         try:
             kw[key] = CONVERTERS[key](raw)
         except BadValue as e:
-            bad.append(f"column {columns.get(key, key)!r} (sampling {key}) holds {_show(raw)}, which {e}")
+            bad.append(f"{names.get(key, 'the row')} (sampling {key}) holds {_show(raw)}, which {e}")
     if bad:
         return base, "; ".join(bad)
     row_structured = {k: kw.pop(k) for k in STRUCTURED_KEYS if k in kw}
@@ -193,11 +199,11 @@ def row_params(base: SamplingParams, values: dict[str, Any], columns: dict[str, 
         try:
             kw["structured"] = structured_of(row_structured)
         except BadValue as e:
-            return base, f"this row {e} (columns {', '.join(repr(columns.get(k, k)) for k in row_structured)})"
+            return base, f"this row {e} (from {', '.join(names.get(k, k) for k in row_structured)})"
     params = dataclasses.replace(base, **kw)
     problems = param_problems(params)
     if problems:
-        named = [f"{p} (column {columns[k]!r})" if (k := p.split("=", 1)[0]) in kw and k in columns else p
+        named = [f"{p} (from {names[k]})" if (k := p.split("=", 1)[0]) in kw and k in names else p
                  for p in problems]
         return base, "invalid sampling for this row: " + "; ".join(named)
     return params, None

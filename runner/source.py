@@ -58,6 +58,11 @@ class Source:
         return sampling_columns(self.cfg)
 
     @property
+    def value_names(self) -> dict[str, str]:
+        """Sampling key -> where a row's value comes from, as error messages name it."""
+        return {k: f"column {c!r}" for k, c in self.sampling_columns.items()}
+
+    @property
     def columns(self) -> list[str]:
         c = self.cfg
         cols = [c.prompt_column, c.id_column, self.arrival_column, c.class_column, *self.sampling_columns.values()]
