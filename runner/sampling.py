@@ -167,7 +167,8 @@ def param_problems(p: SamplingParams) -> list[str]:
         if k is not None and (not count(k) or k < 0):
             add(name, f"{name}={k!r} must be null (off) or an integer >= 0 (top-k alternatives)")
     if p.max_tokens == 0 and p.prompt_logprobs is None:
-        add("max_tokens", "max_tokens=0 is only for scoring: set prompt_logprobs (e.g. 0), or max_tokens >= 1")
+        out = [x for x in out if not x.startswith("max_tokens=")]
+        out.append("max_tokens=0 is only for scoring: set prompt_logprobs (e.g. 0), or max_tokens >= 1")
     return out
 
 

@@ -52,11 +52,19 @@ class _Req:
         self.sample_index = 0
         self.forked = params.n <= 1  # n > 1: forked into n samples once the prompt is prefilled
 
-    def token(self) -> int:
+    def _choice(self) -> bytes | None:
         p = self.params
         choice = p.structured.choice if p.structured is not None else None
-        if choice:
-            text = choice[(self.sample_index + (p.seed or 0)) % len(choice)].encode()
+        return choice[(self.sample_index + (p.seed or 0)) % len(choice)].encode() if choice else None
+
+    def choice_done(self) -> bool:
+        text = self._choice()
+        return text is not None and len(self.out) >= len(text)
+
+    def token(self) -> int:
+        p = self.params
+        text = self._choice()
+        if text is not None:
             return text[len(self.out)] if len(self.out) < len(text) else 0
         return 32 + (sum(self.prompt) + 7 * len(self.out) + 13 * self.sample_index + 3 * (p.seed or 0)) % 90
 
@@ -193,9 +201,10 @@ class FakeEngine:
                 r.metrics.token_times.append(end)
                 if r.metrics.first_token_time is None:
                     r.metrics.first_token_time = end
-                done = len(r.out) >= r.params.max_tokens
+                chosen = r.choice_done()
+                done = chosen or len(r.out) >= r.params.max_tokens
                 if done:
-                    r.finish_reason, r.metrics.finish_time = "length", end
+                    r.finish_reason, r.metrics.finish_time = "stop" if chosen else "length", end
                 outs.append(self._output(r, [tok], done))
                 if done:
                     continue
