@@ -492,7 +492,7 @@ class _Loop:
         if p.remaining <= 0 or o.finish_reason == "error":
             # an error before the fork is the only output of all n samples; one after it, just its own
             self.in_engine.pop(o.request_id, None)
-            if o.finish_reason == "error":
+            if o.finish_reason == "error" and p.remaining > 0:
                 self.failed[o.request_id] = p
         if sample in p.skip:  # written by a previous run (a resumed row whose other samples were missing)
             return
@@ -523,7 +523,8 @@ class _Loop:
         if self.cfg.output.include_prompt:
             row["prompt"] = p.text
         self.job.gen.write(row)
-        self.bar.update(1)
+        if row["sample_index"] == 0:  # the bar counts requests (its total), not their n samples
+            self.bar.update(1)
         now = time.monotonic()
         if now - self._postfix_at > 0.5 and not self.bar.disable:
             self._postfix_at = now
