@@ -14,6 +14,7 @@ from runner.openai_batch import parse_line
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine, fake_logprob
 from tests.runner.test_job import InterruptAfter
+from tests.runner.test_sampling_columns import features_of, need
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -192,3 +193,20 @@ def test_batch_file_on_the_tiny_model(tmp_path, engine):
     assert 1 <= chat["usage"]["completion_tokens"] <= 3 and chat["usage"]["prompt_tokens"] > len("question chat")
     assert text["usage"]["prompt_tokens"] >= len("text text") and text["usage"]["completion_tokens"] <= 2
     assert out[2]["error"]["code"] == "invalid_request"
+
+
+def test_response_format_json_schema_on_the_tiny_model(tmp_path, engine):
+    jsonschema = pytest.importorskip("jsonschema")
+    need(features_of(engine), "structured")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}}
+    lines = [req(f"r{i}", max_completion_tokens=64, temperature=1.0, seed=i, response_format=rf) for i in range(4)]
+    _, out = run_batch(tmp_path, lines, engine=engine)
+    stopped = 0
+    for o in out:
+        choice = o["response"]["body"]["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+            stopped += 1
+    assert stopped >= 2

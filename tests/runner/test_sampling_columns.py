@@ -338,8 +338,22 @@ def _probe(eng, params: SamplingParams, ok) -> bool:
     return bool(outs) and ok(outs)
 
 
+_FEATURES: dict[int, dict[str, bool]] = {}
+
+
+def features_of(engine) -> dict[str, bool]:
+    """Which issue-13 features the engine honours (probed once per engine)."""
+    if id(engine) not in _FEATURES:
+        _FEATURES[id(engine)] = _probe_all(engine)
+    return _FEATURES[id(engine)]
+
+
 @pytest.fixture(scope="module")
 def engine_features(engine):
+    return features_of(engine)
+
+
+def _probe_all(engine) -> dict[str, bool]:
     return {
         "n": _probe(engine, SamplingParams(n=2, max_tokens=1),
                     lambda outs: sorted(getattr(o, "sample_index", 0) for o in outs) == [0, 1]),
