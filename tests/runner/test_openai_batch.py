@@ -198,8 +198,9 @@ def test_batch_file_on_the_tiny_model(tmp_path, engine):
 def test_response_format_json_schema_on_the_tiny_model(tmp_path, engine):
     jsonschema = pytest.importorskip("jsonschema")
     need(features_of(engine), "structured")
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["name", "n"], "additionalProperties": False}
+    # no free-form strings: a random model rarely closes one within max_tokens
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+              "required": ["colour", "ok"], "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}}
     lines = [req(f"r{i}", max_completion_tokens=64, temperature=1.0, seed=i, response_format=rf) for i in range(4)]
     _, out = run_batch(tmp_path, lines, engine=engine)
@@ -209,4 +210,4 @@ def test_response_format_json_schema_on_the_tiny_model(tmp_path, engine):
         if choice["finish_reason"] == "stop":
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
             stopped += 1
-    assert stopped >= 2
+    assert stopped >= 2, [o["response"]["body"]["choices"][0] for o in out]
