@@ -125,9 +125,10 @@ class ParquetSink:
     def flush(self) -> None:
         if self._rows:
             assert self._writer is not None
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self.schema))
-            self.rows_written += len(self._rows)
-            self._rows = []
+            # Taken out of the buffer first: a Ctrl-C right after the write must not write them twice.
+            rows, self._rows = self._rows, []
+            self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+            self.rows_written += len(rows)
 
     def close(self) -> None:
         """Flush, close and atomically move the file into place (safe to call twice)."""
@@ -139,6 +140,9 @@ class ParquetSink:
             self._writer.close()
             self._writer = None
             os.replace(self.tmp, self.path)
+            # What is on disk, whatever an interrupt did to the running count (it can land between a
+            # row group's write and its count).
+            self.rows_written = pq.ParquetFile(self.path).metadata.num_rows
 
 
     def abort(self) -> None:
