@@ -176,7 +176,7 @@ class FakeEngine:
             else:
                 n = 1
                 decode += 1
-            scheduled[r.id] = n
+            scheduled[r.id] = scheduled.get(r.id, 0) + n  # the n samples of a request share its id
             r.computed += n
         duration = self.step_cost * (1 + 0.01 * (decode + prefill))
         self.clock.step_finished(duration)

@@ -191,6 +191,9 @@ def test_n_samples_are_rows_with_sample_index_and_the_prompt_counts_once(tmp_pat
     assert s["tokens"]["prompt"] == prompt_tokens == s["steps"]["prefill_tokens"]  # prefilled once each
     assert s["tokens"]["output"] == 9 * 4
     assert s["latency_s"]["ttft"]["count"] == 9
+    for step in pq.read_table(tmp_path / "out" / "steps.parquet").to_pylist():  # samples share their row's id
+        assert sum(step["scheduled_tokens"]) == step["decode_tokens"] + step["prefill_tokens"]
+        assert len(set(step["scheduled_ids"])) == len(step["scheduled_ids"])
 
 
 def test_logprob_columns_have_their_types_and_lengths(tmp_path):
