@@ -163,16 +163,22 @@ def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
 
 
 def read_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLine]:
+    """Every non-blank line of the files, parsed (a line that is not UTF-8 is an error line too)."""
     seen: set[str] = set()
     n = 0
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for text in fh:
-                if not text.strip():
+        with open(f, "rb") as fh:
+            for raw in fh:
+                if not raw.strip():
                     continue
                 if limit is not None and n >= limit:
                     return
                 n += 1
+                try:
+                    text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM may start the file
+                except UnicodeDecodeError as e:
+                    yield BatchLine(n, None, error=f"line {n} is not UTF-8 text: {e}")
+                    continue
                 yield parse_line(text, n, seen)
 
 

@@ -275,12 +275,12 @@ class JsonlSource(Source):
 
     def _first_object(self) -> dict | None:
         for f in self.files:
-            with open(f, encoding="utf-8") as fh:
+            with open(f, "rb") as fh:
                 for line in fh:
                     if line.strip():
                         try:
                             obj = json.loads(line)
-                        except json.JSONDecodeError:
+                        except (json.JSONDecodeError, UnicodeDecodeError):
                             return None
                         return obj if isinstance(obj, dict) else None
         return None
@@ -300,7 +300,7 @@ class JsonlSource(Source):
         index = 0
         batch: list[Row] = []
         for f in self.files:
-            with open(f, encoding="utf-8") as fh:
+            with open(f, "rb") as fh:  # bytes: a line that is not UTF-8 is that row's error, not a crash
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue

@@ -211,3 +211,14 @@ def test_response_format_json_schema_on_the_tiny_model(tmp_path, engine):
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
             stopped += 1
     assert stopped >= 2, [o["response"]["body"]["choices"][0] for o in out]
+
+
+def test_a_bom_and_a_line_that_is_not_utf8(tmp_path):
+    src = tmp_path / "batch.jsonl"
+    good = [json.dumps(req(c)).encode() for c in ("first", "third")]
+    src.write_bytes(b"\xef\xbb\xbf" + good[0] + b"\r\n" + b'{"custom_id": "\xff\xfe"}\n' + good[1] + b"\n")
+    cfg = compose_cfg("workload=openai_batch", f"workload.path={src}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    out = read_output(tmp_path / "out")
+    assert [o["custom_id"] for o in out] == ["first", None, "third"]
+    assert out[0]["error"] is None and out[2]["error"] is None and "not UTF-8" in out[1]["error"]["message"]

@@ -130,6 +130,16 @@ def test_jsonl_rows_carry_their_columns(tmp_path):
     assert len(rows) == 3 + 1 + 1 and sum(r["finish_reason"] == "error" for r in rows) == 1
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_an_error_row(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(b'{"prompt": "a", "t": 0.5}\n{"prompt": "\xff\xfe"}\n{"prompt": "c"}\n')
+    cfg = compose_cfg("workload=jsonl", f"workload.path={src}", "+workload.columns={temperature: t}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert rows["0"]["error"] is None and rows["2"]["error"] is None
+    assert "line 2 is not a JSON object" in rows["1"]["error"]
+
+
 @pytest.mark.parametrize("overrides,fragment", [
     (["+workload.columns={temprature: t}"], "workload.columns.temprature"),
     (["+workload.columns={temperature: nope}"], "workload.columns.temperature='nope' is not a column"),
