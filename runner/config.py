@@ -301,6 +301,9 @@ def _check_sampling(job: JobConfig) -> None:
                               f"use one of {', '.join(COLUMN_KEYS)}")
         if not isinstance(column, str) or not column:
             raise ConfigError(f"workload.columns.{key}={column!r} must name a column")
+    if (w.columns or w.max_tokens_column) and w.kind in ("synthetic", "openai_batch"):
+        raise ConfigError(f"workload.columns / max_tokens_column name dataset columns; workload.kind={w.kind} has "
+                          "none (synthetic: the groups' max_tokens; openai_batch: each line's body)")
     mt = w.columns.get("max_tokens")
     if mt and w.max_tokens_column and mt != w.max_tokens_column:
         raise ConfigError(f"workload.max_tokens_column={w.max_tokens_column!r} and workload.columns.max_tokens="

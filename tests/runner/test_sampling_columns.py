@@ -144,6 +144,7 @@ def test_a_jsonl_line_that_is_not_utf8_is_an_error_row(tmp_path):
     (["+workload.columns={temprature: t}"], "workload.columns.temprature"),
     (["+workload.columns={temperature: nope}"], "workload.columns.temperature='nope' is not a column"),
     (["workload.max_tokens_column=a", "+workload.columns={max_tokens: b}"], "disagree"),
+    (["workload=synthetic", "+workload.columns={n: k}"], "workload.kind=synthetic has none"),
     (["sampling.n=0"], "n=0 must be an integer >= 1"),
     (["sampling.logprobs=-2"], "logprobs=-2"),
     (["sampling.max_tokens=0"], "max_tokens=0 is only for scoring"),
