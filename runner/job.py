@@ -56,12 +56,21 @@ GENERATIONS = "generations.parquet"
 STEPS = "steps.parquet"
 SUMMARY = "summary.json"
 NO_PROGRESS_LIMIT = 10_000  # consecutive engine steps without a token: the engine is stuck
-ERRORED = -1  # in a done id's sample set: the row was written as an error, it is done whatever its n
+# Resume keeps, per id, the samples already written as a bit mask (bit k: sample k; one int per id, as
+# compact as the set of ids it replaces). An error row makes it ERRORED: done whatever the row's n.
+ERRORED = -1
 
 
-def is_done(written: set[int] | None, n: int) -> bool:
-    """Whether a row whose previous runs wrote these sample indices needs no more samples."""
-    return written is not None and (ERRORED in written or all(k in written for k in range(n)))
+def is_done(written: int | None, n: int) -> bool:
+    """Whether a row whose previous runs wrote these samples (bit mask) needs no more samples."""
+    full = (1 << n) - 1
+    return written is not None and (written == ERRORED or written & full == full)
+
+
+def written_samples(written: int | None) -> frozenset[int]:
+    if not written or written == ERRORED:
+        return frozenset()
+    return frozenset(k for k in range(written.bit_length()) if written >> k & 1)
 
 
 @dataclass(slots=True)
@@ -263,14 +272,14 @@ class Job:
                         self.out_dir, "/".join(changed))
 
     # -- issue 13 (features-io): an id is done when all its samples are written --
-    def _done_ids(self, gen_path: Path) -> dict[str, set[int]]:
-        """id -> the sample indices already written; an error row puts ERRORED there (done whatever n)."""
-        done: dict[str, set[int]] = {}
+    def _done_ids(self, gen_path: Path) -> dict[str, int]:
+        """id -> the samples already written (bit mask), ERRORED for an id with an error row."""
+        done: dict[str, int] = {}
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
                 for rid, k, err in zip(t.column("id").to_pylist(), sample_indices(t), errs, strict=True):
-                    done.setdefault(rid, set()).add(ERRORED if err else k)
+                    done[rid] = ERRORED if err else done.get(rid, 0) | (1 << k)
         return done
     # -- end issue 13 --
 
@@ -326,7 +335,7 @@ def _call(obj: Any, name: str) -> Any:
 class _Loop:
     """Feeds the engine from the source by arrival time and writes what comes out."""
 
-    def __init__(self, job: Job, eng: Any, source: Source, done: dict[str, set[int]], attempt: int) -> None:
+    def __init__(self, job: Job, eng: Any, source: Source, done: dict[str, int], attempt: int) -> None:
         self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
         self.cfg = job.job
         self.calibration: Any = None  # runner.calibration.Calibration when an arrival process has a `load`
@@ -412,7 +421,7 @@ class _Loop:
                 error = error or enc.error
                 p, p_error = params[row.index]
                 error = error or p_error
-                skip = frozenset(self.done.get(row.id, ()))
+                skip = written_samples(self.done.get(row.id))
                 yield Pending(row, arrival, enc.token_ids, enc.text, p, error, skip, p.n)
 
     # -- the loop -------------------------------------------------------------------------------------

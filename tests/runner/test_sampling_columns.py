@@ -16,7 +16,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams, StructuredOutputs
 from runner.config import ConfigError, check, to_job_config
-from runner.job import ERRORED, is_done, run_job
+from runner.job import ERRORED, is_done, run_job, written_samples
 from runner.sampling import as_int, row_params
 from runner.sinks import TOP_LOGPROB
 from tests.runner.conftest import check_run, compose_cfg
@@ -270,8 +270,9 @@ def test_a_request_the_engine_rejects_is_one_error_row_whatever_n(tmp_path):
 
 
 def test_an_id_is_done_only_when_all_its_samples_are_written():
-    assert is_done({0, 1, 2}, 3) and not is_done({0, 2}, 3) and not is_done(None, 1)
-    assert is_done({ERRORED}, 5) and is_done({0, 1, 2}, 2)
+    assert is_done(0b111, 3) and not is_done(0b101, 3) and not is_done(None, 1) and not is_done(0, 1)
+    assert is_done(ERRORED, 5) and is_done(0b111, 2) and is_done(1 << 70 | (1 << 70) - 1, 71)
+    assert written_samples(0b101) == {0, 2} and written_samples(ERRORED) == set() and written_samples(None) == set()
 
 
 def test_interrupted_n_sample_run_resumes_without_duplicates(tmp_path):
