@@ -178,12 +178,15 @@ def recover(path: Path) -> None:
 
 def previous_batches(path: Path, unique_ids: bool, skip_errors: bool = False,
                      batch_size: int = 4096) -> Iterator[pa.Table]:
-    """The rows of the previous runs in `path`, optionally unique by (id, sample_index) and without
-    errored rows (a file from before sample_index existed counts every row as sample 0)."""
+    """The rows of the previous runs in `path`, optionally unique by (id, index, sample_index) and
+    without errored rows (a file from before sample_index existed counts every row as sample 0).
+
+    The row index is part of the key because a repeated id is written twice (the repeat as an error
+    row, often before the first one finishes): both rows are kept, as executor=ray's merge does."""
     pf = readable(path)
     if pf is None:
         return
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int, int]] = set()
     for batch in pf.iter_batches(batch_size=batch_size):
         t = pa.Table.from_batches([batch])
         if unique_ids:
@@ -191,9 +194,9 @@ def previous_batches(path: Path, unique_ids: bool, skip_errors: bool = False,
             errs = [False] * len(ids)
             if skip_errors and "finish_reason" in t.schema.names:
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
-            samples = sample_indices(t)
+            index = t.column("index").to_pylist() if "index" in t.schema.names else [0] * t.num_rows
             keep = []
-            for key, err in zip(zip(ids, samples, strict=True), errs, strict=True):
+            for key, err in zip(zip(ids, index, sample_indices(t), strict=True), errs, strict=True):
                 keep.append(key not in seen and not err)
                 if keep[-1]:
                     seen.add(key)

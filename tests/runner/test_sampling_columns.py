@@ -445,3 +445,18 @@ def test_scoring_on_the_tiny_model_matches_transformers(tmp_path, engine_feature
         want = [ref[i - 1, toks[i]].item() for i in range(1, len(toks))]
         assert r["output_tokens"] == 0 and r["prompt_logprobs"][0] is None
         assert r["prompt_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+
+
+def test_resume_keeps_a_good_row_whose_id_repeats_later_as_an_error_row(tmp_path):
+    """The repeat's error row is written first (at read time), the good row when it finishes: a resume
+    copying rows unique by id alone kept the error row and lost the good one."""
+    src = write(tmp_path / "p.parquet", prompt=["first", "second", "third"], key=["x", "y", "x"])
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "workload.id_column=key", "sampling.n=2")
+    out = tmp_path / "out"
+    run_job(cfg, out, engine=FakeEngine())
+    before = sorted((r["id"], r["index"], r["sample_index"], r["error"] is None) for r in rows_of(out))
+    assert before == [("x", 0, 0, True), ("x", 0, 1, True), ("x", 2, 0, False), ("y", 1, 0, True),
+                      ("y", 1, 1, True)]
+    res = run_job(cfg, out, engine=FakeEngine())
+    assert sorted((r["id"], r["index"], r["sample_index"], r["error"] is None) for r in rows_of(out)) == before
+    assert res.summary["resumed"] == 3
