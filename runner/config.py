@@ -18,12 +18,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 from engine.config import CacheConfig, ChunkingConfig, EngineConfig, ModelConfig
-from engine.sampling_params import SamplingParams
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-SOURCE_KINDS = ("parquet", "arrow", "hf_dataset", "jsonl", "synthetic")
+SOURCE_KINDS = ("parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch")
 PROMPT_FORMATS = ("auto", "text", "chat", "tokens")
 ARRIVAL_PROCESSES = ("offline", "poisson", "gamma", "trace")
 CLOCKS = ("virtual", "wall")
@@ -86,11 +85,44 @@ class WorkloadConfig:
     class_column: str | None = None  # a column naming each row's request class (plots, per-class arrivals)
     class_arrivals: dict[str, ArrivalConfig] = field(default_factory=dict)  # class value -> its own arrivals
     max_tokens_column: str | None = None  # per-row max_tokens (null values fall back to sampling.max_tokens)
+    # per-row sampling: sampling key -> the column holding it, e.g. {temperature: temp, json_schema: schema};
+    # a row's null falls back to the `sampling` default (keys: runner.sampling.COLUMN_KEYS)
+    columns: dict[str, str] = field(default_factory=dict)
     limit: int | None = None  # read at most this many rows
     batch_size: int = 256  # rows per record batch read from the source
     ignore_eos: bool | None = None  # null = sampling.ignore_eos (synthetic benchmarks set true)
     arrivals: ArrivalConfig = field(default_factory=ArrivalConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class StructuredConfig:
+    """Constrained decoding for every row (at most one set; a row's own column replaces it)."""
+
+    json_schema: Any = None  # a JSON schema: a mapping, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF / GBNF text
+
+
+@dataclass
+class SamplingConfig:
+    """engine.SamplingParams as a config node (its structured field is a typed sub-node here, since a
+    config type cannot be "text or mapping"); runner.sampling.base_params turns it into SamplingParams."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # set: row i samples with seed + i (a seed column gives the row's own)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1  # samples per prompt: one generations row each (sample_index)
+    logprobs: int | None = None  # null = off; k: the chosen token's logprob + top-k alternatives
+    prompt_logprobs: int | None = None  # null = off; k: every prompt token's logprob (+ top-k)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 
 @dataclass
@@ -121,7 +153,7 @@ class JobConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     max_num_seqs: int = 64  # most requests running at once
@@ -174,7 +206,7 @@ def _unknown_keys(node: Any, prefix: str = "") -> list[str]:
                 out.append(full)
             elif names is not None:
                 out += _unknown_keys(node._get_node(key), full + ".")
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():
         for i, item in enumerate(node._iter_ex(resolve=False)):
             out += _unknown_keys(item, f"{prefix[:-1]}[{i}].")
     return out
@@ -219,6 +251,9 @@ def check(job: JobConfig) -> None:
     _one_of("workload.arrivals.process", w.arrivals.process, ARRIVAL_PROCESSES)
     _one_of("workload.arrivals.unit", w.arrivals.unit, ("s", "ms"))
     _one_of("clock", job.clock, CLOCKS)
+    if w.kind == "openai_batch" and job.executor.kind != "local":
+        raise ConfigError("workload=openai_batch runs with executor=local only (its output file is written "
+                          "from one run directory)")
     if w.kind != "synthetic" and not w.path:
         raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
     _check_arrivals("workload.arrivals", w.arrivals)
@@ -249,10 +284,34 @@ def check(job: JobConfig) -> None:
         raise ConfigError(f"threads={job.threads} must be >= 1 or null (null = the free cores)")
     if job.max_pending is not None and job.max_pending < job.max_num_seqs:
         raise ConfigError(f"max_pending={job.max_pending} must be >= max_num_seqs ({job.max_num_seqs}) or null")
-    problems = job.sampling.problems()
-    if problems:
-        raise ConfigError("sampling: " + "; ".join(problems))
+    _check_sampling(job)
     try:
         engine_config(job).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_sampling(job: JobConfig) -> None:
+    from runner.sampling import COLUMN_KEYS, base_params, param_problems
+
+    w = job.workload
+    for key, column in w.columns.items():
+        if key not in COLUMN_KEYS:
+            raise ConfigError(f"workload.columns.{key}: {key!r} is not a per-row sampling key; "
+                              f"use one of {', '.join(COLUMN_KEYS)}")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"workload.columns.{key}={column!r} must name a column")
+    if (w.columns or w.max_tokens_column) and w.kind in ("synthetic", "openai_batch"):
+        raise ConfigError(f"workload.columns / max_tokens_column name dataset columns; workload.kind={w.kind} has "
+                          "none (synthetic: the groups' max_tokens; openai_batch: each line's body)")
+    mt = w.columns.get("max_tokens")
+    if mt and w.max_tokens_column and mt != w.max_tokens_column:
+        raise ConfigError(f"workload.max_tokens_column={w.max_tokens_column!r} and workload.columns.max_tokens="
+                          f"{mt!r} disagree: set one of them")
+    try:
+        params = base_params(job.sampling)
+    except ValueError as e:
+        raise ConfigError(f"sampling.structured: {e}") from None
+    problems = param_problems(params)
+    if problems:
+        raise ConfigError("sampling: " + "; ".join(problems))

@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 from omegaconf import DictConfig, OmegaConf
 
 from engine.sampling_params import SamplingParams
 from runner.arrivals import ArrivalError, ArrivalStreams
 from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config, uses_load
 from runner.report import format_table, summarize, write_summary
+from runner.sampling import base_params, row_params
 from runner.sinks import (
     CONFIG_KEY,
     STEPS_SCHEMA,
@@ -43,6 +45,7 @@ from runner.sinks import (
     previous_batches,
     read_config_yaml,
     recover,
+    sample_indices,
 )
 from runner.source import Row, Source, encode_prompt, open_source
 
@@ -53,6 +56,21 @@ GENERATIONS = "generations.parquet"
 STEPS = "steps.parquet"
 SUMMARY = "summary.json"
 NO_PROGRESS_LIMIT = 10_000  # consecutive engine steps without a token: the engine is stuck
+# Resume keeps, per id, the samples already written as a bit mask (bit k: sample k; one int per id, as
+# compact as the set of ids it replaces). An error row makes it ERRORED: done whatever the row's n.
+ERRORED = -1
+
+
+def is_done(written: int | None, n: int) -> bool:
+    """Whether a row whose previous runs wrote these samples (bit mask) needs no more samples."""
+    full = (1 << n) - 1
+    return written is not None and (written == ERRORED or written & full == full)
+
+
+def written_samples(written: int | None) -> frozenset[int]:
+    if not written or written == ERRORED:
+        return frozenset()
+    return frozenset(k for k in range(written.bit_length()) if written >> k & 1)
 
 
 @dataclass(slots=True)
@@ -63,6 +81,9 @@ class Pending:
     text: str | None
     params: SamplingParams | None
     error: str | None = None
+    # -- issue 13 (features-io): n samples --
+    skip: frozenset[int] = frozenset()  # sample indices a previous run already wrote (resume)
+    remaining: int = 1  # samples not yet finished
 
 
 @dataclass
@@ -96,19 +117,17 @@ def vocab_size(engine: Any) -> int | None:
         return None
 
 
-def _as_max_tokens(value: Any, default: int) -> tuple[int, str | None]:
-    if value is None:
-        return default, None
-    if isinstance(value, bool):
-        return default, f"max_tokens column holds {value!r}, not an integer"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int):
-        try:
-            value = int(str(value))
-        except ValueError:
-            return default, f"max_tokens column holds {value!r}, not an integer"
-    return value, None
+def _top(pairs: list[list[tuple[int, float]]] | None) -> list[list[dict[str, Any]]] | None:
+    if pairs is None:
+        return None
+    return [[{"token_id": t, "logprob": lp} for t, lp in pos] for pos in pairs]
+
+
+def _logprob_columns(o: Any) -> dict[str, Any]:
+    """The logprob columns of one finished output (null where not asked for)."""
+    return {"logprobs": getattr(o, "logprobs", None), "top_logprobs": _top(getattr(o, "top_logprobs", None)),
+            "prompt_logprobs": getattr(o, "prompt_logprobs", None),
+            "prompt_top_logprobs": _top(getattr(o, "prompt_top_logprobs", None))}
 
 
 def _rel(t: float | None, t0: float) -> float | None:
@@ -221,6 +240,13 @@ class Job:
         }
         summary = summarize(gen_path, steps_path, extra)
         files = {"generations": gen_path, "steps": steps_path, "summary": out / SUMMARY}
+        # -- issue 13 (features-io): OpenAI batch output, rebuilt from every row once the run is complete
+        if job.workload.kind == "openai_batch" and not interrupted and self._source is None:
+            from runner.openai_batch import BATCH_OUTPUT, write_batch_output
+
+            files["batch_output"] = write_batch_output(job.workload, gen_path, out / BATCH_OUTPUT,
+                                                       eng.tokenizer, job.model.name)
+        # -- end issue 13 --
         write_summary(summary, files["summary"])
         if job.output.plots and not interrupted:
             files.update(self._plots(gen_path, steps_path))
@@ -246,12 +272,17 @@ class Job:
                         "use a new hydra.run.dir (or output.resume=false) to start over",
                         self.out_dir, "/".join(changed))
 
-    def _done_ids(self, gen_path: Path) -> set[str]:
-        done: set[str] = set()
+    # -- issue 13 (features-io): an id is done when all its samples are written --
+    def _done_ids(self, gen_path: Path) -> dict[str, int]:
+        """id -> the samples already written (bit mask), ERRORED for an id with an error row."""
+        done: dict[str, int] = {}
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
-                done.update(t.column("id").to_pylist())
+                errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
+                for rid, k, err in zip(t.column("id").to_pylist(), sample_indices(t), errs, strict=True):
+                    done[rid] = ERRORED if err else done.get(rid, 0) | (1 << k)
         return done
+    # -- end issue 13 --
 
     def _plots(self, gen_path: Path, steps_path: Path) -> dict[str, Path]:
         from runner.plots import plot_latency, plot_schedule
@@ -305,7 +336,7 @@ def _call(obj: Any, name: str) -> Any:
 class _Loop:
     """Feeds the engine from the source by arrival time and writes what comes out."""
 
-    def __init__(self, job: Job, eng: Any, source: Source, done: set[str], attempt: int) -> None:
+    def __init__(self, job: Job, eng: Any, source: Source, done: dict[str, int], attempt: int) -> None:
         self.job, self.eng, self.source, self.done, self.attempt = job, eng, source, done, attempt
         self.cfg = job.job
         self.calibration: Any = None  # runner.calibration.Calibration when an arrival process has a `load`
@@ -315,6 +346,7 @@ class _Loop:
         self.max_pending = self.cfg.max_pending or 4 * self.cfg.max_num_seqs
         self.heap: list[tuple[float, int, Pending]] = []  # (absolute arrival, source order, request)
         self.in_engine: dict[str, Pending] = {}
+        self.failed: dict[str, Pending] = {}  # requests that reported an error: later samples still get rows
         self.resumed = 0
         self.arrived = 0  # requests added since the last step
         self.last_step: int | None = None
@@ -342,7 +374,8 @@ class _Loop:
     # -- reading -----------------------------------------------------------------------------------------
     def _requests(self) -> Iterator[Pending]:
         w = self.cfg.workload
-        base = self.cfg.sampling
+        base = base_params(self.cfg.sampling)
+        names = self.source.value_names
         if w.ignore_eos is not None:
             base = dataclasses.replace(base, ignore_eos=w.ignore_eos)
         streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, self.calibration)
@@ -354,9 +387,17 @@ class _Loop:
             return encode_prompt(row.prompt, w.prompt_format, tok, w.chat_template, w.prompt_column,
                                  w.chat_template_kwargs)
 
+        def sampling(row: Row) -> tuple[SamplingParams, str | None]:
+            values = dict(row.sampling or {})
+            if row.max_tokens is not None:
+                values.setdefault("max_tokens", row.max_tokens)
+            return row_params(base, values, names, row.index)
+
         for batch in self.source.batches():
+            params = {row.index: sampling(row) for row in batch}
+            done = {row.index for row in batch if is_done(self.done.get(row.id), params[row.index][0].n)}
             # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
-            encoded = {row.index: encode(row) for row in batch if row.id not in self.done or streams.unresolved()}
+            encoded = {row.index: encode(row) for row in batch if row.index not in done or streams.unresolved()}
             if streams.unresolved():
                 lengths: dict[str | None, list[int]] = {}
                 for row in batch:
@@ -370,7 +411,7 @@ class _Loop:
                     arrival = streams.next(row.klass, row.arrival)
                 except ArrivalError as e:
                     arrival, error = math.nan, error or str(e)
-                if row.id in self.done:
+                if row.index in done:
                     self.resumed += 1
                     continue
                 if seen is not None:
@@ -379,11 +420,10 @@ class _Loop:
                     seen.add(row.id)
                 enc = encoded[row.index]
                 error = error or enc.error
-                max_tokens, mt_error = _as_max_tokens(row.max_tokens, base.max_tokens)
-                error = error or mt_error
-                params = dataclasses.replace(
-                    base, max_tokens=max_tokens, seed=None if base.seed is None else base.seed + row.index)
-                yield Pending(row, arrival, enc.token_ids, enc.text, params, error)
+                p, p_error = params[row.index]
+                error = error or p_error
+                skip = written_samples(self.done.get(row.id))
+                yield Pending(row, arrival, enc.token_ids, enc.text, p, error, skip, p.n)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -452,10 +492,21 @@ class _Loop:
         })
 
     def _write_output(self, o: Any) -> None:
-        p = self.in_engine.pop(o.request_id, None)
+        # -- issue 13 (features-io): n finished outputs per request, one row each --
+        p = self.in_engine.get(o.request_id) or self.failed.get(o.request_id)
         if p is None:  # a request someone else put into a shared engine: not this job's row
             log.warning("ignoring output of request %r, which this job did not add", o.request_id)
             return
+        sample = getattr(o, "sample_index", 0) or 0
+        p.remaining -= 1
+        if p.remaining <= 0 or o.finish_reason == "error":
+            # an error before the fork is the only output of all n samples; one after it, just its own
+            self.in_engine.pop(o.request_id, None)
+            if o.finish_reason == "error" and p.remaining > 0:
+                self.failed[o.request_id] = p
+        if sample in p.skip:  # written by a previous run (a resumed row whose other samples were missing)
+            return
+        # -- end issue 13 --
         m, t0 = o.metrics, self.t0
         times = [t - t0 for t in m.token_times]
         n = len(o.output_token_ids)
@@ -473,15 +524,17 @@ class _Loop:
             "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
             "e2e_s": None if finish is None else finish - arrival,
             "num_prefill_chunks": m.num_prefill_chunks, "num_preemptions": m.num_preemptions,
-            "num_cached_tokens": m.num_cached_tokens,
+            "num_cached_tokens": m.num_cached_tokens, "sample_index": sample, **_logprob_columns(o),
         })
 
     def _write_row(self, p: Pending, values: dict[str, Any]) -> None:
-        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt, **values}
+        row = {"id": p.row.id, "index": p.row.index, "class": p.row.klass, "attempt": self.attempt,
+               "sample_index": 0, **values}
         if self.cfg.output.include_prompt:
             row["prompt"] = p.text
         self.job.gen.write(row)
-        self.bar.update(1)
+        if row["sample_index"] == 0:  # the bar counts requests (its total), not their n samples
+            self.bar.update(1)
         now = time.monotonic()
         if now - self._postfix_at > 0.5 and not self.bar.disable:
             self._postfix_at = now

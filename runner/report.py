@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from runner.sinks import sample_indices
+
 LATENCIES = ("ttft", "itl", "tpot", "e2e", "queue")
 STATS = ("mean", "p50", "p90", "p99", "max")
 
@@ -60,28 +62,35 @@ def itl_gaps(token_times: pa.ChunkedArray) -> np.ndarray:
 
 GEN_COLUMNS = ["id", "prompt_tokens", "output_tokens", "finish_reason", "arrival_s", "first_scheduled_s",
                "first_token_s", "finish_s", "token_times_s", "ttft_s", "tpot_s", "e2e_s", "num_preemptions",
-               "num_cached_tokens", "attempt"]
+               "num_cached_tokens", "attempt", "sample_index"]
 
 
 def summarize(gen_path: Path, steps_path: Path | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Summary dict of a run directory's generations.parquet (+ steps.parquet); `extra` is merged in."""
     pf = pq.ParquetFile(gen_path)
+    columns = [c for c in GEN_COLUMNS if c in pf.schema_arrow.names]  # sample_index: files from before it
     itl, ttft, tpot, e2e, queue = [], [], [], [], []
     reasons: dict[str, int] = {}
     spans: dict[int, list[float]] = {}
-    n = errors = prompt_tokens = output_tokens = cached = preemptions = preempted_requests = 0
-    for batch in pf.iter_batches(batch_size=8192, columns=GEN_COLUMNS):
+    n = samples = errors = completed = prompt_tokens = output_tokens = cached = 0
+    preemptions = preempted_requests = 0
+    for batch in pf.iter_batches(batch_size=8192, columns=columns):
         t = pa.Table.from_batches([batch])
-        n += t.num_rows
+        # n samples of a row are n rows; the row's request (its prompt, prefilled once) is sample 0's.
+        first = pa.array([k == 0 for k in sample_indices(t)], pa.bool_())
+        samples += t.num_rows
+        n += pc.sum(first.cast(pa.int64())).as_py() or 0
         fr = pc.fill_null(t.column("finish_reason"), "unknown").to_pylist()
         for r in fr:
             reasons[r] = reasons.get(r, 0) + 1
         ok = pa.array([r != "error" for r in fr], pa.bool_())
         errors += t.num_rows - pc.sum(ok.cast(pa.int64())).as_py() if t.num_rows else 0
         good = t.filter(ok)
-        prompt_tokens += pc.sum(good.column("prompt_tokens")).as_py() or 0
+        good_first = t.filter(pc.and_(ok, first))
+        completed += good_first.num_rows
+        prompt_tokens += pc.sum(good_first.column("prompt_tokens")).as_py() or 0
         output_tokens += pc.sum(good.column("output_tokens")).as_py() or 0
-        cached += pc.sum(good.column("num_cached_tokens")).as_py() or 0
+        cached += pc.sum(good_first.column("num_cached_tokens")).as_py() or 0
         pre = pc.fill_null(good.column("num_preemptions"), 0)
         preemptions += pc.sum(pre).as_py() or 0
         preempted_requests += pc.sum(pc.greater(pre, 0).cast(pa.int64())).as_py() or 0
@@ -98,15 +107,16 @@ def summarize(gen_path: Path, steps_path: Path | None, extra: dict[str, Any] | N
             s = spans.setdefault(int(a), [math.inf, -math.inf])
             s[0], s[1] = min(s[0], lo), max(s[1], hi)
     duration = sum(max(0.0, hi - lo) for lo, hi in spans.values() if hi >= lo)
-    ok_requests = n - errors
+    ok_requests = completed
 
     def rate(x: float) -> float | None:
         return x / duration if duration > 0 else None
 
     summary: dict[str, Any] = {
-        "requests": n,
+        "requests": n,  # rows of the dataset (with sampling.n > 1, each has n sample rows)
+        "samples": samples,  # generations rows
         "completed": ok_requests,
-        "errors": errors,
+        "errors": errors,  # error rows
         "finish_reasons": dict(sorted(reasons.items())),
         "attempts": len(spans),
         "duration_s": duration,
@@ -186,7 +196,9 @@ def format_table(s: dict[str, Any]) -> str:
         if s.get("resume_command"):
             lines.append(f"resume with: {s['resume_command']}")
     lines.append(f"requests      {s['requests']}  (completed {s['completed']}, errors {s['errors']}"
-                 + (f", resumed {s['resumed']}" if s.get("resumed") else "") + ")")
+                 + (f", resumed {s['resumed']}" if s.get("resumed") else "")
+                 + (f", {s['samples']} sample rows" if s.get("samples", s["requests"]) != s["requests"] else "")
+                 + ")")
     lines.append(f"duration      {_num(s['duration_s'], '{:.3f}')} s")
     lines.append(f"throughput    {_num(tp['requests_per_s'])} req/s   input {_num(tp['input_tokens_per_s'], '{:.1f}')}"
                  f" tok/s   output {_num(tp['output_tokens_per_s'], '{:.1f}')} tok/s")

@@ -20,6 +20,9 @@ import pyarrow.parquet as pq
 
 CONFIG_KEY = b"ladle.config"
 
+# One top-k alternative: (token id, raw logprob); a position's list is best first.
+TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
+
 GENERATIONS_FIELDS = [
     pa.field("id", pa.string()),
     pa.field("index", pa.int64()),  # the row's position in the source
@@ -43,6 +46,13 @@ GENERATIONS_FIELDS = [
     pa.field("num_cached_tokens", pa.int32()),
     pa.field("class", pa.string()),  # the request class: workload.class_column, or a synthetic row's group
     pa.field("attempt", pa.int32()),  # 0 for the first run into this directory, 1 for the first resume, ...
+    # -- issue 13 (features-io): n samples and logprobs; always present, null when not asked for --
+    pa.field("sample_index", pa.int32()),  # 0..n-1: one row per sample of the row (sampling.n)
+    pa.field("logprobs", pa.list_(pa.float32())),  # per generated token: its raw logprob (sampling.logprobs)
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),  # per generated token: top-k, best first
+    pa.field("prompt_logprobs", pa.list_(pa.float32())),  # per prompt token: log P(t_i | t_<i); [0] is null
+    pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),  # per prompt token; [0] is []
+    # -- end issue 13 --
 ]
 
 STEPS_FIELDS = [
@@ -115,9 +125,10 @@ class ParquetSink:
     def flush(self) -> None:
         if self._rows:
             assert self._writer is not None
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self.schema))
-            self.rows_written += len(self._rows)
-            self._rows = []
+            # Taken out of the buffer first: a Ctrl-C right after the write must not write them twice.
+            rows, self._rows = self._rows, []
+            self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+            self.rows_written += len(rows)
 
     def close(self) -> None:
         """Flush, close and atomically move the file into place (safe to call twice)."""
@@ -129,6 +140,9 @@ class ParquetSink:
             self._writer.close()
             self._writer = None
             os.replace(self.tmp, self.path)
+            # What is on disk, whatever an interrupt did to the running count (it can land between a
+            # row group's write and its count).
+            self.rows_written = pq.ParquetFile(self.path).metadata.num_rows
 
 
     def abort(self) -> None:
@@ -164,11 +178,15 @@ def recover(path: Path) -> None:
 
 def previous_batches(path: Path, unique_ids: bool, skip_errors: bool = False,
                      batch_size: int = 4096) -> Iterator[pa.Table]:
-    """The rows of the previous runs in `path`, optionally unique by id and without errored rows."""
+    """The rows of the previous runs in `path`, optionally unique by (id, index, sample_index) and
+    without errored rows (a file from before sample_index existed counts every row as sample 0).
+
+    The row index is part of the key because a repeated id is written twice (the repeat as an error
+    row, often before the first one finishes): both rows are kept, as executor=ray's merge does."""
     pf = readable(path)
     if pf is None:
         return
-    seen: set[str] = set()
+    seen: set[tuple[str, int, int]] = set()
     for batch in pf.iter_batches(batch_size=batch_size):
         t = pa.Table.from_batches([batch])
         if unique_ids:
@@ -176,14 +194,22 @@ def previous_batches(path: Path, unique_ids: bool, skip_errors: bool = False,
             errs = [False] * len(ids)
             if skip_errors and "finish_reason" in t.schema.names:
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
+            index = t.column("index").to_pylist() if "index" in t.schema.names else [0] * t.num_rows
             keep = []
-            for rid, err in zip(ids, errs, strict=True):
-                keep.append(rid not in seen and not err)
+            for key, err in zip(zip(ids, index, sample_indices(t), strict=True), errs, strict=True):
+                keep.append(key not in seen and not err)
                 if keep[-1]:
-                    seen.add(rid)
+                    seen.add(key)
             t = t.filter(pa.array(keep, pa.bool_()))
         if t.num_rows:
             yield t
+
+
+def sample_indices(t: pa.Table) -> list[int]:
+    """Each row's sample_index (0 where null or where the file predates the column)."""
+    if "sample_index" not in t.schema.names:
+        return [0] * t.num_rows
+    return pc.fill_null(t.column("sample_index"), 0).to_pylist()
 
 
 def previous_attempts(path: Path) -> int:

@@ -34,10 +34,11 @@ class Row:
     index: int  # position in the source, from 0
     id: str  # the id column's value, else str(index)
     prompt: Any  # str | list[dict] | list[int] | None
-    max_tokens: Any = None  # the max_tokens column's raw value (None: the default)
+    max_tokens: Any = None  # the max_tokens column's raw value, or a synthetic row's draw (None: the default)
     arrival: Any = None  # the trace column's raw value
     error: str | None = None  # the row could not be read (e.g. a bad JSON line)
     klass: str | None = None  # the request class (workload.class_column; a synthetic row's group)
+    sampling: dict[str, Any] | None = None  # raw per-row sampling values by key (workload.columns)
 
 
 class Source:
@@ -52,9 +53,19 @@ class Source:
         self.vocab_size: int | None = None  # set by the job before iterating (synthetic needs it)
 
     @property
+    def sampling_columns(self) -> dict[str, str]:
+        """Sampling key -> column (workload.columns, with workload.max_tokens_column as max_tokens)."""
+        return sampling_columns(self.cfg)
+
+    @property
+    def value_names(self) -> dict[str, str]:
+        """Sampling key -> where a row's value comes from, as error messages name it."""
+        return {k: f"column {c!r}" for k, c in self.sampling_columns.items()}
+
+    @property
     def columns(self) -> list[str]:
         c = self.cfg
-        cols = [c.prompt_column, c.id_column, c.max_tokens_column, self.arrival_column, c.class_column]
+        cols = [c.prompt_column, c.id_column, self.arrival_column, c.class_column, *self.sampling_columns.values()]
         return list(dict.fromkeys(x for x in cols if x))
 
     def batches(self) -> Iterator[list[Row]]:
@@ -63,7 +74,8 @@ class Source:
     def _check_columns(self, available: list[str], where: str) -> None:
         keys = {"prompt_column": self.cfg.prompt_column, "id_column": self.cfg.id_column,
                 "max_tokens_column": self.cfg.max_tokens_column, "arrivals.column": self.arrival_column,
-                "class_column": self.cfg.class_column}
+                "class_column": self.cfg.class_column,
+                **{f"columns.{k}": v for k, v in self.cfg.columns.items()}}
         for key, col in keys.items():
             if col and col not in available:
                 raise ConfigError(f"workload.{key}={col!r} is not a column of {where}; "
@@ -73,17 +85,17 @@ class Source:
         c = self.cfg
         n = len(cols[c.prompt_column])
         ids = cols.get(c.id_column) if c.id_column else None
-        mts = cols.get(c.max_tokens_column) if c.max_tokens_column else None
         arr = cols.get(self.arrival_column) if self.arrival_column else None
         cls = cols.get(c.class_column) if c.class_column else None
+        sampling = {key: cols[col] for key, col in self.sampling_columns.items()}
         out = []
         for i in range(n):
             index = start + i
             rid = ids[i] if ids is not None else None
+            values = {key: v[i] for key, v in sampling.items()}
             out.append(Row(index=index, id=str(index) if rid is None else str(rid), prompt=cols[c.prompt_column][i],
-                           max_tokens=mts[i] if mts is not None else None,
-                           arrival=arr[i] if arr is not None else None,
-                           klass=None if cls is None or cls[i] is None else str(cls[i])))
+                           max_tokens=values.get("max_tokens"), arrival=arr[i] if arr is not None else None,
+                           klass=None if cls is None or cls[i] is None else str(cls[i]), sampling=values or None))
         return out
 
     def _limited(self, batches: Iterator[dict[str, list]]) -> Iterator[list[Row]]:
@@ -263,12 +275,12 @@ class JsonlSource(Source):
 
     def _first_object(self) -> dict | None:
         for f in self.files:
-            with open(f, encoding="utf-8") as fh:
+            with open(f, "rb") as fh:
                 for line in fh:
                     if line.strip():
                         try:
                             obj = json.loads(line)
-                        except json.JSONDecodeError:
+                        except (json.JSONDecodeError, UnicodeDecodeError):
                             return None
                         return obj if isinstance(obj, dict) else None
         return None
@@ -288,7 +300,7 @@ class JsonlSource(Source):
         index = 0
         batch: list[Row] = []
         for f in self.files:
-            with open(f, encoding="utf-8") as fh:
+            with open(f, "rb") as fh:  # bytes: a line that is not UTF-8 is that row's error, not a crash
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
@@ -303,17 +315,26 @@ class JsonlSource(Source):
                                          error=f"{f.name} line {lineno} is not a JSON object: {e}"))
                     else:
                         rid = obj.get(c.id_column) if c.id_column else None
+                        values = {k: obj.get(col) for k, col in self.sampling_columns.items()}
                         batch.append(Row(index=index, id=str(index) if rid is None else str(rid),
-                                         prompt=obj.get(c.prompt_column),
-                                         max_tokens=obj.get(c.max_tokens_column) if c.max_tokens_column else None,
+                                         prompt=obj.get(c.prompt_column), max_tokens=values.get("max_tokens"),
                                          arrival=obj.get(self.arrival_column) if self.arrival_column else None,
-                                         klass=_klass(obj.get(c.class_column) if c.class_column else None)))
+                                         klass=_klass(obj.get(c.class_column) if c.class_column else None),
+                                         sampling=values or None))
                     index += 1
                     if len(batch) >= bs:
                         yield batch
                         batch = []
         if batch:
             yield batch
+
+
+def sampling_columns(cfg: WorkloadConfig) -> dict[str, str]:
+    """Sampling key -> the column holding each row's value (workload.columns + max_tokens_column)."""
+    cols = dict(cfg.columns)
+    if cfg.max_tokens_column:
+        cols.setdefault("max_tokens", cfg.max_tokens_column)
+    return cols
 
 
 def _klass(value: Any) -> str | None:
@@ -402,6 +423,15 @@ SOURCES: dict[str, type[Source]] = {
     "jsonl": JsonlSource,
     "synthetic": SyntheticSource,
 }
+
+
+def _openai_batch(cfg: WorkloadConfig, arrival_column: str | None) -> Source:
+    from runner.openai_batch import OpenAIBatchSource
+
+    return OpenAIBatchSource(cfg, arrival_column)
+
+
+SOURCES["openai_batch"] = _openai_batch  # type: ignore[assignment]
 
 
 def open_source(cfg: WorkloadConfig) -> Source:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
+from runner.sinks import sample_indices
 from runner.source import Source
 
 CRASH_ENV = "LADLE_TEST_CRASH"  # test-only: "<replica>:<rows>" -> that replica os._exit()s once after <rows> rows
@@ -112,10 +113,12 @@ def _merge(out: Path, n: int, name: str, add_replica: bool, dedupe: bool) -> pa.
         return None
     t = pa.concat_tables(tables, promote_options="default")
     if dedupe and t.num_rows:
-        # a row is (id, index): a source may repeat an id, and executor=local writes each such row
-        seen: set[tuple[str, int]] = set()
+        # a row is (id, index, sample_index): a source may repeat an id, and executor=local writes each
+        # such row; sampling.n > 1 writes n rows per source row
+        seen: set[tuple[str, int, int]] = set()
         keep = []
-        for i, key in enumerate(zip(t["id"].to_pylist(), t["index"].to_pylist(), strict=True)):
+        keys = zip(t["id"].to_pylist(), t["index"].to_pylist(), sample_indices(t), strict=True)
+        for i, key in enumerate(keys):
             if key not in seen:
                 seen.add(key)
                 keep.append(i)

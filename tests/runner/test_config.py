@@ -28,7 +28,7 @@ def test_every_group_option_composes(group):
     assert options
     for name in options:
         overrides = [f"{group}={name}"]
-        if group == "workload" and name in ("parquet", "arrow", "hf_dataset", "jsonl"):
+        if group == "workload" and name in ("parquet", "arrow", "hf_dataset", "jsonl", "openai_batch"):
             overrides.append("workload.path=some/where")
         job = to_job_config(compose_cfg(*overrides))
         if group != "model":  # real models want their weights; their schema still composed
