@@ -61,6 +61,7 @@ class Replica:
         self.out_root, self.routing = Path(out_root), Routing(**routing)
         self.duplicates = duplicates
         self.engine = None
+        self.threads: dict[str, Any] | None = None
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         from runner.job import Job, make_engine, to_job_config
@@ -71,7 +72,7 @@ class Replica:
         for k in [int(x) for x in batch["replica"]]:
             job = to_job_config(self.cfg)
             if self.engine is None:
-                apply_threads(job.threads)
+                self.threads = apply_threads(job.threads)
                 self.engine = make_engine(job)
             crash = os.environ.get(CRASH_ENV)
             after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
@@ -79,7 +80,7 @@ class Replica:
             out.mkdir(parents=True, exist_ok=True)
             source = ShardSource(open_source(job.workload), k, self.routing, set(self.duplicates.get(k, ())),
                                  job.workload.id_column, after, out / ".crashed")
-            res = Job(self.cfg, out, engine=self.engine, source=source, extra={"replica": k}).run()
+            res = Job(self.cfg, out, engine=self.engine, source=source, extra={"replica": k, "cpu_threads": self.threads}).run()
             done.append(int(res.summary.get("requests", 0) or 0))
         return {"replica": batch["replica"], "requests": done}
 
@@ -175,6 +176,7 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
                                               duplicates),
                 batch_size=1, compute=pool, num_cpus=ex.num_cpus_per_replica, num_gpus=ex.num_gpus_per_replica,
                 max_restarts=-1, max_task_retries=-1,
+                runtime_env={"env_vars": {CRASH_ENV: os.environ[CRASH_ENV]}} if CRASH_ENV in os.environ else None,
             ).materialize()
         except KeyboardInterrupt:  # the replicas' flushed rows stay; the merge below covers them
             interrupted = True
