@@ -6,6 +6,7 @@ Every problem is a ConfigError (exit 2) naming the key and the fix, raised befor
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
@@ -32,6 +33,8 @@ def check_executor(job: JobConfig) -> None:
         raise ConfigError(f"executor.num_replicas={ex.num_replicas} must be >= 1")
     if ex.batch_size < 1:
         raise ConfigError(f"executor.batch_size={ex.batch_size} must be >= 1 (rows routed to a replica together)")
+    if ex.max_restarts < 0:
+        raise ConfigError(f"executor.max_restarts={ex.max_restarts} must be >= 0")
     if ex.num_cpus_per_replica < 0 or ex.num_gpus_per_replica < 0:
         raise ConfigError(f"executor.num_cpus_per_replica={ex.num_cpus_per_replica} and "
                           f"executor.num_gpus_per_replica={ex.num_gpus_per_replica} must be >= 0")
@@ -68,6 +71,11 @@ def connect(address: str | None) -> None:
 
     if ray.is_initialized():
         return
+    if address is None:
+        # Ray starts its workers at nice 15 so that its own daemons stay responsive; on a local cluster
+        # the replicas are the job itself, and at nice 15 any other busy process on the machine starves
+        # them (measured: docs/benchmarks.md, executor=ray scaling). A joined cluster keeps its setting.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError ...

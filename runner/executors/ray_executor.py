@@ -123,6 +123,17 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool)
     return dest
 
 
+def _config_error(e: BaseException | None) -> ConfigError | None:
+    """The ConfigError a replica raised, found through Ray's wrappers (cause chains, RayTaskError.cause)."""
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, ConfigError):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
 def _replica_summaries(out: Path, ks: list[int]) -> list[dict[str, Any]]:
     rows = []
     for k in ks:
@@ -167,6 +178,7 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
 
     wall0 = time.perf_counter()
     interrupted = False
+    failed: Exception | None = None
     if ks:
         ds = ray.data.from_items([{"replica": k} for k in ks], override_num_blocks=len(ks))
         pool = ray.data.ActorPoolStrategy(size=len(ks), max_tasks_in_flight_per_actor=1)  # a replica per actor
@@ -175,11 +187,16 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
                 Replica, fn_constructor_args=(OmegaConf.to_yaml(replica_cfg(cfg)), str(out), routing.as_dict(),
                                               duplicates),
                 batch_size=1, compute=pool, num_cpus=ex.num_cpus_per_replica, num_gpus=ex.num_gpus_per_replica,
-                max_restarts=-1, max_task_retries=-1,
+                max_restarts=ex.max_restarts, max_task_retries=ex.max_restarts,
                 runtime_env={"env_vars": {CRASH_ENV: os.environ[CRASH_ENV]}} if CRASH_ENV in os.environ else None,
             ).materialize()
         except KeyboardInterrupt:  # the replicas' flushed rows stay; the merge below covers them
             interrupted = True
+        except Exception as e:  # noqa: BLE001 - Ray wraps a replica's failure in its own exception types
+            config_error = _config_error(e)
+            if config_error is not None:  # e.g. a model path that a worker node cannot see
+                raise ConfigError(f"in a replica: {config_error}") from None
+            failed = e
 
     gen_path, steps_path = out / GENERATIONS, out / STEPS
     all_k = range(routing.num_replicas)
@@ -192,8 +209,8 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         "executor": "ray", "num_replicas": routing.num_replicas, "routing": routing.as_dict(),
         "model": first.get("model"), "workload": first.get("workload"), "clock": first.get("clock"),
         "max_model_len": first.get("max_model_len"), "kv_blocks_total": first.get("kv_blocks_total"),
-        "resumed": sum(r.get("resumed") or 0 for r in replicas), "complete": not interrupted,
-        "resume_command": resume_command(out, (extra or {}).get("overrides", [])) if interrupted else None,
+        "resumed": sum(r.get("resumed") or 0 for r in replicas), "complete": not (interrupted or failed),
+        "resume_command": resume_command(out, (extra or {}).get("overrides", [])) if interrupted or failed else None,
         "wall_time_s": time.perf_counter() - wall0, "run_dir": str(out), "replicas": replicas,
         **(extra or {}),
     }
@@ -203,6 +220,11 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         pq.write_table(generations_schema(job.output.include_prompt).empty_table(), gen_path)
     summary = summarize(gen_path, steps_path if steps_path.exists() else None, info)
     write_summary(summary, files["summary"])
+    if failed is not None:
+        raise RuntimeError(
+            f"executor=ray: a replica failed after executor.max_restarts={ex.max_restarts} restarts; the "
+            f"{summary['requests']} rows written so far are in {gen_path}, and the same command resumes: "
+            f"{resume_command(out, (extra or {}).get('overrides', []))}") from failed
     if job.output.plots and not interrupted:
         files.update(_plots(job, out, gen_path, ks))
     if job.output.print_summary:
