@@ -29,11 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config import ConfigError, JobConfig
 from runner.executors.checks import check_resources, connect, describe_cluster
 from runner.executors.shards import Routing, ShardSource, duplicate_indices
+from runner.sinks import readable
 
 log = logging.getLogger("ladle")
 
 CRASH_ENV = "LADLE_TEST_CRASH"  # test-only: "<replica>:<rows>" -> that replica os._exit()s once after <rows> rows
 ROUTING = "routing.json"
+MERGED_KEY = b"ladle.merged_by"  # schema metadata of a generations.parquet that executor=ray merged
 
 
 def replica_dir(out: Path, k: int) -> Path:
@@ -72,7 +74,7 @@ class Replica:
         for k in [int(x) for x in batch["replica"]]:
             job = to_job_config(self.cfg)
             if self.engine is None:
-                self.threads = apply_threads(job.threads)
+                self.threads = {**apply_threads(job.threads), "niceness": os.nice(0)}
                 self.engine = make_engine(job)
             crash = os.environ.get(CRASH_ENV)
             after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
@@ -85,19 +87,29 @@ class Replica:
         return {"replica": batch["replica"], "requests": done}
 
 
-def pin_routing(out: Path, job: JobConfig, routing: Routing) -> None:
-    """A run directory keeps one routing: resuming with another would give a row to two replicas."""
+def check_routing(out: Path, job: JobConfig, routing: Routing) -> None:
+    """A run directory keeps one routing once a replica has written rows: resuming with another would
+    give a row to two replicas. Checked before anything starts; written by `pin_routing` at launch."""
     path = out / "replicas" / ROUTING
-    if job.output.resume and path.exists():
+    if not job.output.resume:
+        return
+    written = any((out / "replicas").glob("r*/generations.parquet*"))
+    if written and path.exists():
         before = json.loads(path.read_text())
         if before != routing.as_dict():
             raise ConfigError(
                 f"{out} was run with executor.num_replicas={before['num_replicas']} and executor.batch_size="
                 f"{before['block_rows']}; resume it with those values, or use a new hydra.run.dir "
                 "(or output.resume=false to start over)")
-    elif job.output.resume and (out / "generations.parquet").exists():
-        raise ConfigError(f"{out} holds an executor=local run: resume it with executor=local, or use a new "
-                          "hydra.run.dir (or output.resume=false to start over)")
+    top = readable(out / "generations.parquet")
+    if top is not None and MERGED_KEY not in (top.schema_arrow.metadata or {}):
+        # written (last) by executor=local: a merge of the replicas' files would drop its rows
+        raise ConfigError(f"{out} holds an executor=local run (or one resumed with executor=local): resume "
+                          "it with executor=local, or use a new hydra.run.dir (or output.resume=false to start over)")
+
+
+def pin_routing(out: Path, routing: Routing) -> None:
+    path = out / "replicas" / ROUTING
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(routing.as_dict()))
 
@@ -109,6 +121,7 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool)
     if not files:
         return None
     schema = files[0][1].schema_arrow
+    schema = schema.with_metadata({**(schema.metadata or {}), MERGED_KEY: b"executor=ray"})
     if add_replica:
         schema = schema.append(pa.field("replica", pa.int32()))
     tmp = dest.with_name(dest.name + ".merging")
@@ -167,7 +180,7 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         for name in (GENERATIONS, STEPS):
             (out / name).unlink(missing_ok=True)
     routing = Routing(ex.num_replicas, ex.batch_size)
-    pin_routing(out, job, routing)
+    check_routing(out, job, routing)
     # Replicas whose share is empty (num_replicas > rows) are not started at all.
     ks = [k for k in range(routing.num_replicas)
           if source.total is None or routing.share_size(k, source.total) > 0]
@@ -179,6 +192,7 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
     wall0 = time.perf_counter()
     interrupted = False
     failed: Exception | None = None
+    pin_routing(out, routing)
     if ks:
         ds = ray.data.from_items([{"replica": k} for k in ks], override_num_blocks=len(ks))
         pool = ray.data.ActorPoolStrategy(size=len(ks), max_tasks_in_flight_per_actor=1)  # a replica per actor
@@ -217,7 +231,9 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
     if not gen_path.exists():  # nothing to run (an empty source): an empty file, as executor=local writes
         from runner.sinks import generations_schema
 
-        pq.write_table(generations_schema(job.output.include_prompt).empty_table(), gen_path)
+        schema = generations_schema(job.output.include_prompt)
+        pq.write_table(schema.with_metadata({**(schema.metadata or {}), MERGED_KEY: b"executor=ray"}).empty_table(),
+                       gen_path)
     summary = summarize(gen_path, steps_path if steps_path.exists() else None, info)
     write_summary(summary, files["summary"])
     if failed is not None:

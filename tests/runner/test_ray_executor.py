@@ -108,6 +108,28 @@ def test_replica_killed_mid_job(mixed_parquet, tmp_path, monkeypatch):
     assert result.summary["requests"] == N_ROWS
 
 
+def test_a_replica_that_keeps_dying_fails_the_job_and_a_rerun_resumes(mixed_parquet, tmp_path, monkeypatch):
+    monkeypatch.setenv("LADLE_TEST_CRASH", "1:30")
+    cfg = compose_cfg(*_args(mixed_parquet), *RAY, "output.row_group_size=4", "executor.max_restarts=0")
+    with pytest.raises(RuntimeError, match=r"a replica failed after executor.max_restarts=0 restarts; the \d+ rows"
+                                           r" written so far are in .*generations.parquet, and the same command"):
+        run_job(cfg, tmp_path)
+    written, n = _by_id(tmp_path / "generations.parquet")  # what the replicas flushed was merged
+    assert 0 < n < N_ROWS and len(written) == n
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["complete"] is False and summary["resume_command"]
+    result = run_job(cfg, tmp_path)  # the fault happened once (its marker is there): this run completes
+    got, n = _by_id(result.files["generations"])
+    assert n == N_ROWS and len(got) == N_ROWS
+    assert all(got[i] == r for i, r in written.items())  # nothing written before is lost or redone
+
+
+def test_a_config_error_inside_a_replica_is_a_config_error(mixed_parquet, tmp_path):
+    cfg = compose_cfg(*_args(mixed_parquet), *RAY, f"model.path={tmp_path / 'no_such_model'}")
+    with pytest.raises(ConfigError, match=r"in a replica: .*no_such_model"):
+        run_job(cfg, tmp_path / "out")
+
+
 def test_resume_writes_only_missing_rows(mixed_parquet, engine, tmp_path):
     # executor=local, interrupted after 60 rows then resumed, is the reference (its resume skips ids
     # already written, so the later duplicate of q0 is skipped as done: 199 rows)
@@ -142,13 +164,19 @@ def test_resume_writes_only_missing_rows(mixed_parquet, engine, tmp_path):
     assert {r["attempt"] for i, r in rows.items() if i not in r1_before} == {2}
 
 
-def test_more_replicas_than_rows(mixed_parquet, tmp_path):
+def test_more_replicas_than_rows(mixed_parquet, engine, tmp_path):
     cfg = compose_cfg(*_args(mixed_parquet, "workload.limit=2"), "executor=ray", "executor.num_replicas=3",
                       "executor.num_cpus_per_replica=0.5", "executor.batch_size=1")
     result = run_job(cfg, tmp_path)
     got, n = _by_id(result.files["generations"])
     assert n == 2 and set(got) == {("q0", 0), ("q1", 1)}
     assert sorted(p.name for p in (tmp_path / "replicas").iterdir() if p.is_dir()) == ["r0", "r1"]  # r2 not started
+    # the merged file is an ordinary run directory for executor=local, which resumes it ...
+    local = run_job(compose_cfg(*_args(mixed_parquet, "workload.limit=3")), tmp_path, engine=engine)
+    assert local.summary["requests"] == 3 and local.summary["resumed"] == 2
+    # ... after which a ray merge (of the replicas' 2 rows) would drop the local row: refused
+    with pytest.raises(ConfigError, match="resumed with executor=local"):
+        run_job(cfg, tmp_path)
     empty = run_job(compose_cfg(*_args(mixed_parquet, "workload.limit=0"), *RAY), tmp_path / "empty")
     assert empty.summary["requests"] == 0 and pq.read_table(empty.files["generations"]).num_rows == 0
 
@@ -167,3 +195,4 @@ def test_a_local_run_directory_is_not_resumed_by_ray(mixed_parquet, engine, tmp_
 def test_replicas_that_cannot_fit_the_cluster_are_config_errors(mixed_parquet, tmp_path, over, msg):
     with pytest.raises(ConfigError, match=msg):
         run_job(compose_cfg(*_args(mixed_parquet), *RAY, *over), tmp_path)
+    assert not (tmp_path / "replicas").exists()  # nothing pinned: the fixed command may use another routing
