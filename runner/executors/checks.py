@@ -73,8 +73,8 @@ def connect(address: str | None) -> None:
         return
     if address is None:
         # Ray starts its workers at nice 15 so that its own daemons stay responsive; on a local cluster
-        # the replicas are the job itself, and at nice 15 any other busy process on the machine starves
-        # them (measured: docs/benchmarks.md, executor=ray scaling). A joined cluster keeps its setting.
+        # the replicas are the job itself, and at nice 15 any other busy process on the machine takes
+        # the cores from them (seen on the shared test machine). A joined cluster keeps its setting.
         os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)

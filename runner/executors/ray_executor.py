@@ -66,25 +66,39 @@ class Replica:
         self.threads: dict[str, Any] | None = None
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Run each replica of the batch; a replica's error is returned (as text), not raised, so the other
+        replicas finish and the driver can say which one failed and why."""
+        ks = [int(x) for x in batch["replica"]]
+        done, errors, config = [], [], []
+        for k in ks:
+            try:
+                done.append(self._run(k))
+                errors.append("")
+                config.append(False)
+            except Exception as e:  # noqa: BLE001 - reported by the driver, with the replica's number
+                done.append(0)
+                errors.append(f"{type(e).__name__}: {e}")
+                config.append(isinstance(e, ConfigError))
+        return {"replica": ks, "requests": done, "error": errors, "config_error": config}
+
+    def _run(self, k: int) -> int:
         from runner.job import Job, make_engine, to_job_config
         from runner.source import open_source
         from runner.threads import apply_threads
 
-        done = []
-        for k in [int(x) for x in batch["replica"]]:
-            job = to_job_config(self.cfg)
-            if self.engine is None:
-                self.threads = {**apply_threads(job.threads), "niceness": os.nice(0)}
-                self.engine = make_engine(job)
-            crash = os.environ.get(CRASH_ENV)
-            after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
-            out = replica_dir(self.out_root, k)
-            out.mkdir(parents=True, exist_ok=True)
-            source = ShardSource(open_source(job.workload), k, self.routing, set(self.duplicates.get(k, ())),
-                                 job.workload.id_column, after, out / ".crashed")
-            res = Job(self.cfg, out, engine=self.engine, source=source, extra={"replica": k, "cpu_threads": self.threads}).run()
-            done.append(int(res.summary.get("requests", 0) or 0))
-        return {"replica": batch["replica"], "requests": done}
+        job = to_job_config(self.cfg)
+        if self.engine is None:
+            self.threads = {**apply_threads(job.threads), "niceness": os.nice(0)}
+            self.engine = make_engine(job)
+        crash = os.environ.get(CRASH_ENV)
+        after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
+        out = replica_dir(self.out_root, k)
+        out.mkdir(parents=True, exist_ok=True)
+        source = ShardSource(open_source(job.workload), k, self.routing, set(self.duplicates.get(k, ())),
+                             job.workload.id_column, after, out / ".crashed")
+        extra = {"replica": k, "cpu_threads": self.threads}
+        res = Job(self.cfg, out, engine=self.engine, source=source, extra=extra).run()
+        return int(res.summary.get("requests", 0) or 0)
 
 
 def check_routing(out: Path, job: JobConfig, routing: Routing) -> None:
@@ -136,15 +150,37 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool)
     return dest
 
 
-def _config_error(e: BaseException | None) -> ConfigError | None:
-    """The ConfigError a replica raised, found through Ray's wrappers (cause chains, RayTaskError.cause)."""
-    seen = 0
-    while e is not None and seen < 20:
-        if isinstance(e, ConfigError):
-            return e
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-        seen += 1
-    return None
+def _launch(ray: Any, cfg: DictConfig, ex: Any, out: Path, routing: Routing, ks: list[int],
+            duplicates: dict[int, list[int]]) -> tuple[dict[int, str], list[str], bool]:
+    """Run the replicas through Ray Data; returns (replica -> failure, config errors, interrupted).
+    An actor that dies more than executor.max_restarts times loses its block: Ray Data is told to go
+    on without it (max_errored_blocks), so the other replicas finish their shares."""
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.max_errored_blocks
+    ctx.max_errored_blocks = len(ks)
+    ds = ray.data.from_items([{"replica": k} for k in ks], override_num_blocks=len(ks))
+    pool = ray.data.ActorPoolStrategy(size=len(ks), max_tasks_in_flight_per_actor=1)  # a replica per actor
+    rows: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        rows = ds.map_batches(
+            Replica, fn_constructor_args=(OmegaConf.to_yaml(replica_cfg(cfg)), str(out), routing.as_dict(),
+                                          duplicates),
+            batch_size=1, compute=pool, num_cpus=ex.num_cpus_per_replica, num_gpus=ex.num_gpus_per_replica,
+            max_restarts=ex.max_restarts, max_task_retries=ex.max_restarts,
+            runtime_env={"env_vars": {CRASH_ENV: os.environ[CRASH_ENV]}} if CRASH_ENV in os.environ else None,
+        ).take_all()
+    except KeyboardInterrupt:  # the replicas' flushed rows stay; the caller merges them
+        interrupted = True
+    finally:
+        ctx.max_errored_blocks = saved
+    failures = {int(r["replica"]): r["error"] for r in rows if r["error"]}
+    config_errors = [r["error"] for r in rows if r["config_error"]]
+    if not interrupted:
+        returned = {int(r["replica"]) for r in rows}
+        for k in set(ks) - returned:
+            failures[k] = f"its actor died more than executor.max_restarts={ex.max_restarts} times"
+    return failures, config_errors, interrupted
 
 
 def _replica_summaries(out: Path, ks: list[int]) -> list[dict[str, Any]]:
@@ -191,26 +227,11 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
 
     wall0 = time.perf_counter()
     interrupted = False
-    failed: Exception | None = None
     pin_routing(out, routing)
+    failures: dict[int, str] = {}  # replica -> why it did not finish
+    config_errors: list[str] = []
     if ks:
-        ds = ray.data.from_items([{"replica": k} for k in ks], override_num_blocks=len(ks))
-        pool = ray.data.ActorPoolStrategy(size=len(ks), max_tasks_in_flight_per_actor=1)  # a replica per actor
-        try:
-            ds.map_batches(
-                Replica, fn_constructor_args=(OmegaConf.to_yaml(replica_cfg(cfg)), str(out), routing.as_dict(),
-                                              duplicates),
-                batch_size=1, compute=pool, num_cpus=ex.num_cpus_per_replica, num_gpus=ex.num_gpus_per_replica,
-                max_restarts=ex.max_restarts, max_task_retries=ex.max_restarts,
-                runtime_env={"env_vars": {CRASH_ENV: os.environ[CRASH_ENV]}} if CRASH_ENV in os.environ else None,
-            ).materialize()
-        except KeyboardInterrupt:  # the replicas' flushed rows stay; the merge below covers them
-            interrupted = True
-        except Exception as e:  # noqa: BLE001 - Ray wraps a replica's failure in its own exception types
-            config_error = _config_error(e)
-            if config_error is not None:  # e.g. a model path that a worker node cannot see
-                raise ConfigError(f"in a replica: {config_error}") from None
-            failed = e
+        failures, config_errors, interrupted = _launch(ray, cfg, ex, out, routing, ks, duplicates)
 
     gen_path, steps_path = out / GENERATIONS, out / STEPS
     all_k = range(routing.num_replicas)
@@ -223,8 +244,9 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         "executor": "ray", "num_replicas": routing.num_replicas, "routing": routing.as_dict(),
         "model": first.get("model"), "workload": first.get("workload"), "clock": first.get("clock"),
         "max_model_len": first.get("max_model_len"), "kv_blocks_total": first.get("kv_blocks_total"),
-        "resumed": sum(r.get("resumed") or 0 for r in replicas), "complete": not (interrupted or failed),
-        "resume_command": resume_command(out, (extra or {}).get("overrides", [])) if interrupted or failed else None,
+        "resumed": sum(r.get("resumed") or 0 for r in replicas), "complete": not (interrupted or failures),
+        "resume_command": resume_command(out, (extra or {}).get("overrides", [])) if interrupted or failures else None,
+        "failed_replicas": failures or None,
         "wall_time_s": time.perf_counter() - wall0, "run_dir": str(out), "replicas": replicas,
         **(extra or {}),
     }
@@ -236,11 +258,13 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
                        gen_path)
     summary = summarize(gen_path, steps_path if steps_path.exists() else None, info)
     write_summary(summary, files["summary"])
-    if failed is not None:
+    if config_errors:  # the same config in every replica: one message is enough
+        raise ConfigError(f"in a replica: {config_errors[0]}")
+    if failures:
+        why = "; ".join(f"replica {k}: {msg}" for k, msg in sorted(failures.items()))
         raise RuntimeError(
-            f"executor=ray: a replica failed after executor.max_restarts={ex.max_restarts} restarts; the "
-            f"{summary['requests']} rows written so far are in {gen_path}, and the same command resumes: "
-            f"{resume_command(out, (extra or {}).get('overrides', []))}") from failed
+            f"executor=ray: {why}. The {summary['requests']} rows written so far are in {gen_path}; the same "
+            f"command resumes: {resume_command(out, (extra or {}).get('overrides', []))}")
     if job.output.plots and not interrupted:
         files.update(_plots(job, out, gen_path, ks))
     if job.output.print_summary:
