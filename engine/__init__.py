@@ -1,7 +1,7 @@
 """Serving core: requests, scheduler, KV cache, model runner, sampler and the LLMEngine."""
 
 from engine.clock import Clock, VirtualClock, WallClock
-from engine.config import CacheConfig, ChunkingConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, ChunkingConfig, EngineConfig, EngineConfigError, ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
@@ -11,6 +11,7 @@ __all__ = [
     "ChunkingConfig",
     "Clock",
     "EngineConfig",
+    "EngineConfigError",
     "LLMEngine",
     "ModelConfig",
     "RequestMetrics",

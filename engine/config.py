@@ -10,9 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class EngineConfigError(ValueError):
+    """A setting the user can change is wrong or cannot be served (raised before weights are loaded,
+    except the memory check after a CUDA profile run). Any other error while building an engine is a
+    real failure, not a config problem."""
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{key}={value!r} is invalid: {allowed}")
+        raise EngineConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 @dataclass

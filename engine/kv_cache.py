@@ -146,7 +146,9 @@ class KVCacheManager:
         return AdmissionPlan(hits, total - len(hits), len(hits) * self.block_size)
 
     def commit_admission(self, req: Request, plan: AdmissionPlan) -> None:
-        """Take the planned blocks (hits first, so allocation cannot evict them)."""
+        """Take the planned blocks (hits first, so allocation cannot evict them). A request's
+        block_ids is a new list whenever its blocks are replaced and is only extended in place
+        otherwise: the model runner's persistent block table relies on it."""
         for b in plan.hits:
             self.pool.touch(b)
         req.block_ids = plan.hits + self.pool.allocate(plan.num_new_blocks)

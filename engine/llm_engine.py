@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import time
 from collections.abc import Sequence
 
 import torch
 
 from engine.clock import Clock, WallClock
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
-from engine.memory import plan_kv_cache, profile_peak_bytes
+from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMetrics, RequestOutput, RequestStatus, StepStats
 from engine.sampler import Sampler
@@ -34,31 +36,37 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
         from models import load_model, load_tokenizer, resolve_architecture, resolve_dtype  # engine -> models
 
-        config.validate()
         self.config = config
         self.clock = clock or WallClock()
         mc = config.model
-        self.device = resolve_device(mc.device)
-        # Config files only: the shapes, the dtype and the memory plan come before any weight is loaded.
-        _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
-        self.max_model_len = config.cache.max_model_len
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({arch.max_position_embeddings}); lower cache.max_model_len"
-            )
-        self.dtype = resolve_dtype(mc.dtype, self.device, arch)  # the one rule for dtype "auto"
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.memory_plan, num_blocks = plan_kv_cache(config, arch, elem, self.device)
+        try:  # the config phase: a mistake here is the user's to fix, found before any weight is loaded
+            config.validate()
+            self.device = resolve_device(mc.device)
+            _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
+            self.arch = arch
+            self.max_model_len = config.cache.max_model_len
+            if self.max_model_len > arch.max_position_embeddings:
+                raise EngineConfigError(
+                    f"cache.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                    f"({arch.max_position_embeddings}); lower cache.max_model_len"
+                )
+            self.dtype = resolve_dtype(mc.dtype, self.device, arch)  # the one rule for dtype "auto"
+            elem = torch.tensor([], dtype=self.dtype).element_size()
+            self.memory_plan, num_blocks = plan_kv_cache(config, arch, elem, self.device)
+            self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
+        except EngineConfigError:
+            raise
+        except (ValueError, FileNotFoundError) as e:
+            raise EngineConfigError(str(e)) from e
         self.model = load_model(mc.path, mc.architecture, dtype=self.dtype, device=self.device, seed=mc.seed,
                                 random_weights=mc.random_weights)
         if self.device.type == "cuda":  # measure the largest step instead of estimating it (vLLM's profile run)
             step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
             peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
+            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
-        self.tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
         self.eos_token_ids = set(arch.eos_token_ids or []) | set(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.vocab_size = arch.vocab_size
         self.kv = KVCacheManager(
@@ -153,9 +161,16 @@ class LLMEngine:
 
     @property
     def calibration_key(self) -> str:
-        """What a timing of this engine depends on (a stored calibration is reused only for the same)."""
-        mc = self.config.model
-        return f"{mc.name}|{mc.path}|{self.dtype}|{self.device}|{mc.attention_backend}|{mc.random_weights}"
+        """What a timing of this engine depends on (a stored calibration is reused only for the same):
+        the architecture's shapes, dtype, device, attention backend, torch's threads and the longest
+        sequence (it caps the calibrated prefill). Not the weights' values, which do not change speed."""
+        parts = {
+            "arch": repr(self.arch), "dtype": str(self.dtype), "device": str(self.device),
+            "backend": self.config.model.attention_backend, "threads": torch.get_num_threads(),
+            "max_model_len": self.max_model_len,
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.config.model.name}|{digest}"
 
     def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
         """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and
@@ -172,57 +187,78 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> execute -> update. Returns the outputs it produced."""
+        outputs = self._report_rejected()
+        start, t0 = self.clock.now(), time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs + self._idle()
+        phases = {"schedule": time.perf_counter() - t0}
+        try:
+            tokens = self._execute(sched, phases)
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
+            return outputs + self._fail_step(sched, exc, start, t0)
+        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
+        # toward the step, so the clock is advanced by it afterwards.
+        return outputs + self._update(sched, tokens, start, self._end_step(t0), phases)
+
+    def _report_rejected(self) -> list[RequestOutput]:
+        """Requests refused at add_request are reported (finished, with their error) by the next step."""
         outputs = [self._output(r, [], "") for r in self._rejected]
         for r in self._rejected:
             r.metrics.finish_time = self.clock.now()
             self._release(r)
         self._rejected = []
+        return outputs
 
-        start = self.clock.now()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            self.last_step = None
-            if self.scheduler.waiting and not self.scheduler.running:
-                # The rules guarantee progress (validation keeps every request within the cache);
-                # should that ever fail, the stuck request fails instead of the job spinning.
-                req = self.scheduler.waiting[0]
-                req.error = (
-                    f"request could not be scheduled ({req.num_tokens} tokens, "
-                    f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)"
-                )
-                self._finish(req, "error", self.clock.now())
-                outputs.append(self._output(req, [], ""))
-            return outputs
-        failed: list[str] = []
-        phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
-        try:
-            t1 = time.perf_counter()
-            logits = self.runner.execute(sched.scheduled)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t2 = time.perf_counter()
-            phases["prepare"] = self.runner.prepare_time
-            phases["forward"] = t2 - t1 - self.runner.prepare_time
-            samplers = [s.request for s in sched.scheduled if s.samples]
-            tokens = self.sampler.sample(logits, samplers) if samplers else []
-            phases["sample"] = time.perf_counter() - t2
-        except Exception as exc:  # noqa: BLE001 - isolate: fail this step's requests, keep serving
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            error = f"step failed: {type(exc).__name__}: {exc}"
-            now = self._end_step(t0)
-            for s in sched.scheduled:
-                s.request.error = error
-                self._finish(s.request, "error", now)
-                failed.append(s.request.request_id)
-                outputs.append(self._output(s.request, [], ""))
-            self._record(sched, start, now, failed)
-            return outputs
-        # Tokens exist once sampled; the update's own time (detokenising, stop checks) still counts
-        # toward the step, so the clock is advanced by it afterwards.
+    def _idle(self) -> list[RequestOutput]:
+        self.last_step = None
+        if not (self.scheduler.waiting and not self.scheduler.running):
+            return []
+        # The rules guarantee progress (validation keeps every request within the cache); should
+        # that ever fail, the stuck request fails instead of the job spinning.
+        req = self.scheduler.waiting[0]
+        req.error = (f"request could not be scheduled ({req.num_tokens} tokens, "
+                     f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)")
+        self._finish(req, "error", self.clock.now())
+        return [self._output(req, [], "")]
+
+    def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> list[int]:
+        """The forward(s) and the sampler: one token per scheduled request that samples, in order."""
+        t1 = time.perf_counter()
+        logits = self.runner.execute(sched.scheduled)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        phases["prepare"] = self.runner.prepare_time
+        phases["forward"] = t2 - t1 - self.runner.prepare_time
+        samplers = [s.request for s in sched.scheduled if s.samples]
+        tokens = self.sampler.sample(logits, samplers) if samplers else []
+        phases["sample"] = time.perf_counter() - t2
+        return tokens
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
+        """A forward or the sampler raised: this step's requests fail, every other request goes on."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        error = f"step failed: {type(exc).__name__}: {exc}"
         now = self._end_step(t0)
+        outputs, failed = [], []
+        for s in sched.scheduled:
+            s.request.error = error
+            self._finish(s.request, "error", now)
+            failed.append(s.request.request_id)
+            outputs.append(self._output(s.request, [], ""))
+        self._record(sched, start, now, failed)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int], start: float, now: float,
+                phases: dict[str, float]) -> list[RequestOutput]:
+        """num_computed_tokens catches up, full blocks join the prefix cache, sampled tokens are
+        appended, detokenised and checked for stops. One request's failure fails only that request."""
         t3 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        failed: list[str] = []
         token_iter = iter(tokens)
         for s in sched.scheduled:
             req = s.request
@@ -316,12 +352,13 @@ class LLMEngine:
         """A finished request is reported once; the engine keeps no reference to it afterwards."""
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self.runner.release(req.request_id)
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=req.output_token_ids,  # no copy per step: see RequestOutput
             text=req.text[: req.num_emitted_chars],
             new_token_ids=new_ids,
             new_text=new_text,

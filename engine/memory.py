@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from engine.config import EngineConfigError
+
 GIB = 2**30
 CPU_KV_CAP_GB = 4.0  # the default CPU KV cache when no size is given (it is also capped by what is free)
 CUDA_UTILIZATION = 0.90  # of the GPU's free memory at start, like vLLM's gpu_memory_utilization
@@ -54,8 +56,17 @@ class MemoryPlan:
         return self.weights_bytes + self.activation_bytes + self.kv_bytes
 
 
-class InsufficientMemory(ValueError):
+class InsufficientMemory(EngineConfigError):
     """The run cannot fit (a config the user can change: a ValueError, reported as a config error)."""
+
+
+SAMPLER_BYTES_PER_LOGIT = 32  # float32 logits, probs, noise, sorted copy, int64 order, cumsum, logprobs
+
+
+def sampler_bytes(rows: int, vocab_size: int) -> int:
+    """The sampler's transient tensors for `rows` sampling rows (the profile run measures only the
+    forward and the LM head, so this is added to it)."""
+    return rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
 def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -63,14 +74,14 @@ def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max
     """Peak transient memory of one forward of `step_tokens` tokens, with a safety factor of 2.
 
     Per token: the residual stream and a normed copy, q/k/v, the attention output, and the MLP's
-    gate/up/product; logits in float32 for at most one row per running sequence; the CPU reference
+    gate/up/product; the sampler's float32 copies of at most one logits row per running sequence; the CPU reference
     attention gathers one sequence's context keys and values (float32) per layer.
     """
     s = shape
     per_token = (4 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
                  + s.num_heads * s.head_dim + 3 * s.intermediate_size)
     hidden = step_tokens * per_token * elem
-    logits = min(step_tokens, max_num_seqs) * s.vocab_size * 4
+    logits = sampler_bytes(min(step_tokens, max_num_seqs), s.vocab_size)
     context = 2 * max_model_len * s.num_kv_heads * s.head_dim * 4
     return 2 * (hidden + logits + context)
 

@@ -4,6 +4,10 @@ All scheduled tokens (decodes and prefill chunks of many requests) go through ON
 chunking.ubatch caps the physical width: then the step's tokens are cut, in order, into forwards of
 at most ubatch tokens. A chunk cut in two is just two consecutive pieces of the same sequence; the
 second sees the first's keys in the cache. The LM head runs only on rows that sample.
+
+A step's host work is O(batch) plus O(new tokens): input ids are slices of each request's prompt or
+output (never prompt + output rebuilt), positions and slots are computed by torch from the lengths,
+and block tables come from the persistent table (engine/block_table.py), which copies only new ids.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_table import PersistentBlockTable
 from engine.kv_cache import KVCacheManager
 from engine.scheduler import ScheduledRequest
 from kernels import AttentionMetadata
@@ -56,6 +61,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.ubatch = ubatch
+        self.block_table = PersistentBlockTable(kv.blocks_needed(kv.config.max_model_len))
         self.num_forwards = 0  # of the last step
         self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
 
@@ -74,25 +80,24 @@ class ModelRunner:
             return torch.empty(0, 0, device=self.device)
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
+    def release(self, request_id: str) -> None:
+        """A finished request: its persistent block-table row is free again."""
+        self.block_table.release(request_id)
+
     def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
         t0 = time.perf_counter()
         input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables, logits_indices = [], [], [], []
+        query_lens, seq_lens, logits_indices = [], [], []
         for p in pieces:
-            req = p.item.request
             end = p.start + p.num_tokens
-            prompt_len = req.num_prompt_tokens
-            if end <= prompt_len:
-                input_ids.extend(req.prompt_token_ids[p.start : end])
-            else:
-                input_ids.extend(req.all_token_ids[p.start : end])
-            positions.extend(range(p.start, end))
+            input_ids.extend(p.item.request.token_slice(p.start, end))
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
-            tables.append(req.block_ids)
             if p.samples:
                 logits_indices.append(len(input_ids) - 1)
+        reqs = [p.item.request for p in pieces]
+        rows = self.block_table.rows([r.request_id for r in reqs], [r.block_ids for r in reqs])
+        tables = self.block_table.table.index_select(0, torch.tensor(rows))
         meta = AttentionMetadata.build(
             query_lens,
             seq_lens,
@@ -103,9 +108,8 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.prepare_time += time.perf_counter() - t0
-        hidden = self.model(ids, pos, self.kv.kv_caches, meta)
+        hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
         if not logits_indices:
             return None
         return self.model.compute_logits(hidden[meta.logits_indices])

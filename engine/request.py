@@ -35,7 +35,9 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # all generated so far
+    # All generated so far. Not a copy: on an unfinished output it is the request's own list, which
+    # the next step extends (copying it every step would cost O(output) per request per step).
+    output_token_ids: list[int]
     text: str  # detokenised output so far (stop string cut off)
     new_token_ids: list[int]  # tokens appended by this step
     new_text: str  # text appended by this step
@@ -78,6 +80,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, copying only those (never the whole sequence)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

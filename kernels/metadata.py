@@ -26,6 +26,8 @@ class AttentionMetadata:
     # Host copies: the torch reference plans its gathers from these without a device sync.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # Position of each new token in its sequence [T] int64 (what RoPE needs), on the model's device.
+    positions: torch.Tensor | None = None
     # Rows of the flattened batch whose logits are needed (last token of a finishing prefill, decodes).
     logits_indices: torch.Tensor | None = None
     # Per-forward scratch shared by all layers (e.g. the reference's gather plan per window size).
@@ -46,27 +48,29 @@ class AttentionMetadata:
     def build(
         query_lens: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         block_size: int,
         device: torch.device | str = "cpu",
         logits_indices: list[int] | None = None,
         backend: str = "auto",
     ) -> AttentionMetadata:
-        """Build metadata from plain lists: query length, KV length after the forward, block ids."""
+        """Build metadata from the query length and KV length after the forward of each sequence, and
+        its block ids: lists, or a host int32 tensor [B, >= blocks of the longest] (the engine's
+        persistent block table rows, which it keeps valid)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         qsl = [0]
-        for q, s, blocks in zip(query_lens, seq_lens, block_tables):
+        for q, s in zip(query_lens, seq_lens):
             if q < 1 or s < q:
                 raise ValueError(f"invalid sequence: query_len={q}, seq_len={s}")
-            if len(blocks) * block_size < s:
-                raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {s} tokens")
             qsl.append(qsl[-1] + q)
-        width = max((len(b) for b in block_tables), default=1) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, blocks in enumerate(block_tables):
-            if blocks:
-                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if isinstance(block_tables, torch.Tensor):
+            need = -(-max(seq_lens, default=1) // block_size)
+            if block_tables.shape[1] < need:
+                raise ValueError(f"block table of width {block_tables.shape[1]} cannot hold {max(seq_lens)} tokens")
+            table = block_tables[:, : max(need, 1)].to(torch.int32).contiguous()
+        else:
+            table = _table_from_lists(block_tables, seq_lens, block_size)
         # Slot of every new token, vectorised: its sequence's block at pos // block_size, plus offset.
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
@@ -80,6 +84,7 @@ class AttentionMetadata:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=table.to(device),
             slot_mapping=slots.to(device),
+            positions=pos.to(device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
@@ -92,3 +97,15 @@ class AttentionMetadata:
             ),
             backend=backend,
         )
+
+
+def _table_from_lists(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    for blocks, s in zip(block_tables, seq_lens):
+        if len(blocks) * block_size < s:
+            raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {s} tokens")
+    width = max((len(b) for b in block_tables), default=1) or 1
+    table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        if blocks:
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table

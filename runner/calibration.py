@@ -69,29 +69,48 @@ def calibrate(eng: Any) -> Calibration:
     return Calibration(engine_key(eng), n, prefill, DECODE_BATCH, decode)
 
 
-def shared_calibration(eng: Any, path: Path | None) -> Calibration:
-    """The calibration stored at `path` for this engine, else a new one (stored there when given)."""
+def shared_calibration(eng: Any, paths: list[Path | None]) -> Calibration:
+    """The calibration stored for this engine in the first of `paths` that has one (a run's own copy,
+    then a sweep's), else a new one; stored in every path that lacks it."""
     key = engine_key(eng)
-    if path is not None and path.is_file():
-        try:
-            stored = json.loads(path.read_text()).get(key)
-        except (OSError, ValueError):
-            stored = None
-        if stored:
-            stored.pop("prefill_s_per_token", None)
-            log.info("arrival calibration from %s", path)
-            return Calibration(**stored)
-    cal = calibrate(eng)
-    log.info("arrival calibration: %d-token prefill %.4f s, %d-decode step %.4f s", cal.prefill_tokens,
-             cal.prefill_s, cal.decode_batch, cal.decode_step_s)
-    if path is not None:
-        try:
-            data = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = cal.as_dict()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
+    files = [p for p in paths if p is not None]
+    found = next(((p, c) for p, c in ((p, _stored(p, key)) for p in files) if c is not None), None)
+    if found is not None:
+        log.info("arrival calibration from %s", found[0])
+        cal = found[1]
+    else:
+        cal = calibrate(eng)
+        log.info("arrival calibration: %d-token prefill %.4f s, %d-decode step %.4f s", cal.prefill_tokens,
+                 cal.prefill_s, cal.decode_batch, cal.decode_step_s)
+    for p in files:
+        if _stored(p, key) != cal:
+            _store(p, key, cal)
     return cal
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _stored(path: Path, key: str) -> Calibration | None:
+    stored = _read(path).get(key)
+    if not isinstance(stored, dict):
+        return None
+    stored = dict(stored)
+    stored.pop("prefill_s_per_token", None)
+    try:
+        return Calibration(**stored)
+    except TypeError:  # written by another version
+        return None
+
+
+def _store(path: Path, key: str, cal: Calibration) -> None:
+    data = _read(path)
+    data[key] = cal.as_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

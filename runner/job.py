@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import re
 import shlex
 import sys
 import time
@@ -45,6 +46,7 @@ from runner.sinks import (
 )
 from runner.source import Row, Source, encode_prompt, open_source
 
+CALIBRATION = "calibration.json"  # the arrival calibration a run used, reused when it resumes
 log = logging.getLogger("ladle")
 
 GENERATIONS = "generations.parquet"
@@ -74,11 +76,12 @@ class RunResult:
 def make_engine(job: JobConfig) -> Any:
     from engine import LLMEngine
     from engine.clock import VirtualClock, WallClock
+    from engine.config import EngineConfigError
 
     clock = VirtualClock() if job.clock == "virtual" else WallClock()
     try:
         return LLMEngine(engine_config(job), clock=clock)
-    except (ValueError, FileNotFoundError) as e:  # config checks, a model.path that is not there
+    except EngineConfigError as e:  # settings, a model.path that is not there, memory: not a crash
         raise ConfigError(str(e)) from e
 
 
@@ -138,6 +141,8 @@ class Job:
             recover(p)
             if not job.output.resume and p.exists():
                 p.unlink()
+        if not job.output.resume:
+            (out / CALIBRATION).unlink(missing_ok=True)
         self._warn_if_config_changed(gen_path)
         done = self._done_ids(gen_path)
         attempt = max(previous_attempts(gen_path), previous_attempts(steps_path))
@@ -158,7 +163,8 @@ class Job:
         if uses_load(job.workload):  # arrival rates relative to this machine: time the model first
             from runner.calibration import shared_calibration
 
-            loop.calibration = shared_calibration(eng, self.calibration_path)
+            # The run's own copy first: a resumed run replays the arrivals it started with.
+            loop.calibration = shared_calibration(eng, [out / CALIBRATION, self.calibration_path])
             source.calibration = loop.calibration
         meta = {CONFIG_KEY: self.config_yaml.encode()}
         gen = ParquetSink(gen_path, generations_schema(job.output.include_prompt), job.output.row_group_size, meta)
@@ -262,7 +268,15 @@ class Job:
 def resume_command(out_dir: Path, overrides: list[str]) -> str:
     """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
-    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={out_dir.resolve()}"])
+    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"])
+
+
+def hydra_quoted(value: str) -> str:
+    """A string as a quoted Hydra override value: `=`, `,`, brackets and spaces in a path stay literal.
+    Inside Hydra's quotes a backslash escapes the quote and the backslashes right before it."""
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
+    return f"'{escaped}'"
 
 
 def _calibration(loop: _Loop, source: Source) -> dict[str, Any] | None:

@@ -87,7 +87,7 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
     assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
     resume = shlex.split(said[3].strip())
-    assert resume[:3] == ["python", "-m", "runner"] and f"hydra.run.dir={out}" in resume
+    assert resume[:3] == ["python", "-m", "runner"] and f"hydra.run.dir='{out}'" in resume
     assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume
     done = subprocess.run([sys.executable, *resume[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300, check=False)

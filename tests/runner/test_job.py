@@ -163,3 +163,39 @@ def test_benchmark_workloads_run(workload, tmp_path):
         assert all(r["arrival_s"] == 0 for r in run["rows"] if r["id"].startswith("stream-"))
     if workload == "prefix_caching":
         assert all(r["prompt_tokens"] >= 1536 + 8 for r in run["rows"])
+
+
+def test_only_config_phase_errors_are_config_errors(monkeypatch):
+    """A settings mistake exits 2 as a config error; a failure while loading weights is a real error."""
+    import models
+    from runner.config import ConfigError
+    from runner.job import make_engine
+    from tests.runner.conftest import compose_cfg
+
+    with pytest.raises(ConfigError, match="no-such-dir"):
+        make_engine(to_job_config(compose_cfg("model.path=/no-such-dir")))
+
+    def broken_load(*args, **kwargs):
+        raise ValueError("corrupt tensor")
+
+    monkeypatch.setattr(models, "load_model", broken_load)
+    with pytest.raises(ValueError, match="corrupt tensor") as info:
+        make_engine(to_job_config(compose_cfg()))
+    assert not isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("name", ["a=b,c[1] x", "it's", "back\\slash", "end\\"])
+def test_resume_command_survives_paths_hydra_would_split(tmp_path, name):
+    """The printed command, split by a shell and parsed by Hydra, names exactly the run directory."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.job import resume_command
+
+    out = tmp_path / name
+    argv = shlex.split(resume_command(out, ["chunking.size=64", "hydra.run.dir=old"]))
+    assert argv[:4] == ["python", "-m", "runner", "chunking.size=64"]
+    parsed = OverridesParser.create().parse_overrides(argv[3:])
+    assert [o.key_or_group for o in parsed] == ["chunking.size", "hydra.run.dir"]
+    assert parsed[1].value() == str(out.resolve())

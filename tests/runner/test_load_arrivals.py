@@ -91,3 +91,43 @@ def test_sweep_answers_name_the_best_runs_and_the_knee():
     assert lines[3].startswith("- Knee: chunking.size=128")  # 960 is within 5% of 1000
     rows[0]["busy_tok_per_s"] = 900.0  # 10% below: the knee moves to 512
     assert answers(rows)[3].startswith("- Knee: chunking.size=512")
+
+
+def _engine(*overrides):
+    from runner.job import make_engine
+
+    return make_engine(to_job_config(compose_cfg(*overrides)))
+
+
+def test_calibration_key_changes_with_what_changes_speed():
+    """A sweep over model shape, threads or max_model_len must not reuse another shape's timing."""
+    import torch
+
+    base = _engine()
+    same = _engine("seed=7")  # weights' values do not change speed
+    assert base.calibration_key == same.calibration_key
+    assert _engine("model.architecture.num_hidden_layers=2").calibration_key != base.calibration_key
+    assert _engine("cache.max_model_len=128").calibration_key != base.calibration_key
+    key, threads = base.calibration_key, torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert base.calibration_key != key
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_resumed_run_replays_the_calibration_it_started_with(tmp_path, monkeypatch):
+    from runner import calibration
+
+    first = run_job(compose_cfg(*FAST_CHUNKED), tmp_path / "r")
+    stored = json.loads((tmp_path / "r" / "calibration.json").read_text())
+    assert [v["prefill_s"] for v in stored.values()] == [first.summary["arrival_calibration"]["prefill_s"]]
+
+    def no_recalibration(eng):
+        raise AssertionError("a resumed run measured the machine again")
+
+    monkeypatch.setattr(calibration, "calibrate", no_recalibration)
+    again = run_job(compose_cfg(*FAST_CHUNKED), tmp_path / "r")
+    assert again.summary["arrival_calibration"] == first.summary["arrival_calibration"]
+    with pytest.raises(AssertionError, match="measured the machine again"):  # a fresh start measures anew
+        run_job(compose_cfg(*FAST_CHUNKED, "output.resume=false"), tmp_path / "r")
