@@ -47,7 +47,7 @@ def mixed_parquet(tmp_path_factory):
         max_tokens.append(mt)
     path = tmp_path_factory.mktemp("ray_data") / "mixed.parquet"
     ids = [f"q{i}" for i in range(N_ROWS)]
-    ids[-1] = "q0"  # a duplicate id on the other replica: an error row, as with executor=local
+    ids[-1] = "q0"  # a duplicate id on the other replica (blocks of 20: row 199 -> replica 1): an error row
     pq.write_table(pa.table({"id": ids, "prompt": prompts,
                              "max_tokens": pa.array(max_tokens, pa.int64())}), path, row_group_size=32)
     return path
@@ -69,7 +69,7 @@ def _same(row_a, row_b):
     assert row_a["error"] == row_b["error"], row_a["index"]
 
 
-RAY = ["executor=ray", "executor.num_replicas=2", "executor.num_cpus_per_replica=0.5", "executor.batch_size=16"]
+RAY = ["executor=ray", "executor.num_replicas=2", "executor.num_cpus_per_replica=0.5", "executor.batch_size=20"]
 
 
 def test_two_replicas_match_local(mixed_parquet, engine, tmp_path):
@@ -113,21 +113,19 @@ def test_a_replica_that_keeps_dying_fails_the_job_and_a_rerun_resumes(mixed_parq
     monkeypatch.setenv("LADLE_TEST_CRASH", "1:30")
     cfg = compose_cfg(*_args(mixed_parquet), *RAY, "output.row_group_size=4", "executor.max_restarts=0")
     with pytest.raises(RuntimeError, match=r"replica 1: its actor died more than executor.max_restarts=0 times\. "
-                                           r"The 104 rows written so far are in .*generations.parquet; the same "
+                                           r"The 100 rows written so far are in .*generations.parquet; the same "
                                            r"command resumes: python -m runner"):
         run_job(cfg, tmp_path)
     # replica 0 finished its share (Ray Data went on without replica 1's block) and was merged
     written, n = _by_id(tmp_path / "generations.parquet")
-    assert n == len(written) == Routing(2, 16).share_size(0, N_ROWS) == 104
+    assert n == len(written) == Routing(2, 20).share_size(0, N_ROWS) == 100
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["complete"] is False and summary["resume_command"] and list(summary["failed_replicas"]) == ["1"]
     result = run_job(cfg, tmp_path)  # the fault happened once (its marker is there): this run completes
     got, n = _by_id(result.files["generations"])
-    # A resumed Job copies its earlier rows one per id (runner/sinks.previous_batches), executor=local
-    # as well: the error row of q0's duplicate, written by replica 0 in the first run, is dropped.
-    dup = ("q0", N_ROWS - 1)
-    assert n == len(got) == N_ROWS - 1 and dup not in got
-    assert all(got[i] == r for i, r in written.items() if i != dup)  # nothing else written is lost or redone
+    assert n == len(got) == N_ROWS
+    assert got[("q0", N_ROWS - 1)]["error"] == "duplicate id 'q0' in column 'id'"
+    assert all(got[i] == r for i, r in written.items())  # nothing written before is lost or redone
 
 
 def test_a_config_error_inside_a_replica_is_a_config_error(mixed_parquet, tmp_path):
@@ -137,8 +135,9 @@ def test_a_config_error_inside_a_replica_is_a_config_error(mixed_parquet, tmp_pa
 
 
 def test_resume_writes_only_missing_rows(mixed_parquet, engine, tmp_path):
-    # executor=local, interrupted after 60 rows then resumed, is the reference (its resume skips ids
-    # already written, so the later duplicate of q0 is skipped as done: 199 rows)
+    # executor=local, interrupted after 60 rows then resumed, is the reference. Its resume skips ids
+    # already written, so it skips the later duplicate of q0 as done (199 rows); replica 1 never wrote
+    # q0, so it writes the duplicate's error row, as a fresh run of either executor does.
     for limit in ("workload.limit=60", "workload.limit=null"):
         ref = run_job(compose_cfg(*_args(mixed_parquet, limit)), tmp_path / "local", engine=engine)
     local, n_local = _by_id(tmp_path / "local" / "generations.parquet")
@@ -148,22 +147,24 @@ def test_resume_writes_only_missing_rows(mixed_parquet, engine, tmp_path):
     assert n_first == 60
     result = run_job(compose_cfg(*_args(mixed_parquet), *RAY), out)
     got, n = _by_id(result.files["generations"])
-    assert n == len(got) == n_local and set(got) == set(local)
+    dup = ("q0", N_ROWS - 1)
+    assert n == len(got) == n_local + 1 and set(got) == set(local) | {dup}
+    assert got[dup]["error"] == "duplicate id 'q0' in column 'id'"
     for i in local:
         _same(got[i], local[i])
     for i, row in first.items():  # rows written before are kept as they were (same timings), not run again
         assert got[i] == row
     assert result.summary["attempts"] == 2  # the second run is a resume, not a fresh run
-    assert result.summary["resumed"] == ref.summary["resumed"]
+    assert result.summary["resumed"] == 60 == ref.summary["resumed"] - 1  # local counts the skipped duplicate
     # another routing would give rows to other replicas: refused before anything runs
-    with pytest.raises(ConfigError, match="num_replicas=2 and executor.batch_size=16"):
+    with pytest.raises(ConfigError, match="num_replicas=2 and executor.batch_size=20"):
         run_job(compose_cfg(*_args(mixed_parquet), *RAY[:-1], "executor.batch_size=8"), out)
     # a resume after a partial ray write (replica 0's file is lost): only replica 0's rows run again
     r1_before, _ = _by_id(out / "replicas" / "r1" / "generations.parquet")
     (out / "replicas" / "r0" / "generations.parquet").unlink()
     again = run_job(compose_cfg(*_args(mixed_parquet), *RAY), out)
     rows, n = _by_id(again.files["generations"])
-    assert n == len(rows) and set(got) <= set(rows)  # each row once (r0 now also writes q0's duplicate)
+    assert n == len(rows) and set(got) == set(rows)  # each row once
     assert all(rows[i] == r for i, r in r1_before.items())  # replica 1's rows untouched
     assert again.summary["resumed"] == len(r1_before)
     # r0 ran all its rows again, in one new attempt (its steps file still counts the two before)
