@@ -220,6 +220,10 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
     # Replicas whose share is empty (num_replicas > rows) are not started at all.
     ks = [k for k in range(routing.num_replicas)
           if source.total is None or routing.share_size(k, source.total) > 0]
+    if len(ks) < routing.num_replicas:
+        log.warning("executor=ray: %s rows in blocks of executor.batch_size=%d leave %d of %d replicas without rows "
+                    "(not started); a smaller executor.batch_size spreads them", source.total, routing.block_rows,
+                    routing.num_replicas - len(ks), routing.num_replicas)
     duplicates = {k: sorted(v) for k, v in duplicate_indices(job.workload, routing).items()}
     connect(ex.address)
     check_resources(job, len(ks))
@@ -269,6 +273,10 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         files.update(_plots(job, out, gen_path, ks))
     if job.output.print_summary:
         print(format_table(summary))
+        for r in replicas:
+            tp = r["output_tokens_per_s"]
+            print(f"replica {r['replica']:<5} {r['requests']} requests, {r['errors']} errors, "
+                  f"{'-' if tp is None else f'{tp:.1f}'} output tok/s, wall {r['wall_time_s'] or 0:.1f} s")
         print(f"\noutputs in {out}:")
         for name, p in files.items():
             print(f"  {name:<12} {p.relative_to(out)}")
