@@ -143,8 +143,9 @@ class ExecutorConfig:
     num_replicas: int = 1
     num_gpus_per_replica: float = 0.0
     num_cpus_per_replica: float = 1.0
-    batch_size: int = 256
-    address: str | None = None  # null = start a local Ray cluster
+    batch_size: int = 256  # rows routed to a replica together (block b -> replica b % num_replicas)
+    address: str | None = None  # null = start a local Ray cluster; auto | host:port | ray://host:port joins one
+    max_restarts: int = 3  # times a replica's dead actor is restarted (its task retried) before the job fails
 
 
 @dataclass

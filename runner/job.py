@@ -547,8 +547,12 @@ def run_job(cfg: DictConfig, out_dir: str | Path, engine: Any = None,
             extra: dict[str, Any] | None = None, calibration_path: Path | None = None) -> RunResult:
     """Run the job described by a composed config into `out_dir` (see `Job`); executor=ray runs it on
     data-parallel replicas (runner/executors/ray_executor.py)."""
-    if cfg.get("executor") is not None and cfg.executor.get("kind") == "ray":
-        check(to_job_config(cfg))
+    from runner.executors.checks import check_executor
+
+    job = to_job_config(cfg)
+    check(job)
+    check_executor(job)
+    if job.executor.kind == "ray":
         from runner.executors.ray_executor import run_ray
 
         return run_ray(cfg, out_dir, extra)

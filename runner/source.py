@@ -13,7 +13,7 @@ error message for the output row (null, empty, wrongly typed): one bad row never
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ class Source:
         self.cfg = cfg
         self.arrival_column = arrival_column
         self.vocab_size: int | None = None  # set by the job before iterating (synthetic needs it)
+        self.keep: Callable[[int], bool] | None = None  # executor=ray: skip (unparsed) rows of other replicas
 
     @property
     def sampling_columns(self) -> dict[str, str]:
@@ -306,6 +307,9 @@ class JsonlSource(Source):
                         continue
                     if limit is not None and index >= limit:
                         break
+                    if self.keep is not None and not self.keep(index):
+                        index += 1
+                        continue
                     try:
                         obj = json.loads(line)
                         if not isinstance(obj, dict):
