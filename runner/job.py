@@ -47,7 +47,7 @@ from runner.sinks import (
     recover,
     sample_indices,
 )
-from runner.source import Row, Source, encode_prompt, open_source
+from runner.source import Row, Source, duplicate_id_error, encode_prompt, is_duplicate_id_error, open_source
 
 CALIBRATION = "calibration.json"  # the arrival calibration a run used, reused when it resumes
 log = logging.getLogger("ladle")
@@ -63,8 +63,12 @@ ERRORED = -1
 
 def is_done(written: int | None, n: int) -> bool:
     """Whether a row whose previous runs wrote these samples (bit mask) needs no more samples."""
+    if written is None or written == ERRORED:
+        return written is not None
+    if n > written.bit_length():  # a sample index this high was never written (and no huge mask is built)
+        return False
     full = (1 << n) - 1
-    return written is not None and (written == ERRORED or written & full == full)
+    return written & full == full
 
 
 def written_samples(written: int | None) -> frozenset[int]:
@@ -276,11 +280,17 @@ class Job:
     def _done_ids(self, gen_path: Path) -> dict[str, int]:
         """id -> the samples already written (bit mask), ERRORED for an id with an error row."""
         done: dict[str, int] = {}
+        self.repeats_written: set[tuple[str, int]] = set()  # (id, index) of a repeated id's error row
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
-                for rid, k, err in zip(t.column("id").to_pylist(), sample_indices(t), errs, strict=True):
-                    done[rid] = ERRORED if err else done.get(rid, 0) | (1 << k)
+                messages, indices = t.column("error").to_pylist(), t.column("index").to_pylist()
+                for rid, k, err, msg, i in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
+                                               indices, strict=True):
+                    if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own
+                        self.repeats_written.add((rid, i))
+                    else:
+                        done[rid] = ERRORED if err else done.get(rid, 0) | (1 << k)
         return done
     # -- end issue 13 --
 
@@ -393,9 +403,20 @@ class _Loop:
                 values.setdefault("max_tokens", row.max_tokens)
             return row_params(base, values, names, row.index)
 
+        repeats_written = getattr(self.job, "repeats_written", set())
         for batch in self.source.batches():
             params = {row.index: sampling(row) for row in batch}
-            done = {row.index for row in batch if is_done(self.done.get(row.id), params[row.index][0].n)}
+            # A repeated id (here, or marked by an executor's shard) is an error row of its own: done
+            # when that row was written; the id's written samples are its first row's.
+            repeats = {row.index for row in batch if is_duplicate_id_error(row.error)}
+            if seen is not None:
+                for row in batch:
+                    if row.id in seen:
+                        repeats.add(row.index)
+                    seen.add(row.id)
+            done = {row.index for row in batch
+                    if ((row.id, row.index) in repeats_written if row.index in repeats
+                        else is_done(self.done.get(row.id), params[row.index][0].n))}
             # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
             encoded = {row.index: encode(row) for row in batch if row.index not in done or streams.unresolved()}
             if streams.unresolved():
@@ -414,15 +435,13 @@ class _Loop:
                 if row.index in done:
                     self.resumed += 1
                     continue
-                if seen is not None:
-                    if row.id in seen:
-                        error = error or f"duplicate id {row.id!r} in column {w.id_column!r}"
-                    seen.add(row.id)
+                if row.index in repeats:
+                    error = error or duplicate_id_error(row.id, w.id_column)
                 enc = encoded[row.index]
                 error = error or enc.error
                 p, p_error = params[row.index]
                 error = error or p_error
-                skip = written_samples(self.done.get(row.id))
+                skip = frozenset() if row.index in repeats else written_samples(self.done.get(row.id))
                 yield Pending(row, arrival, enc.token_ids, enc.text, p, error, skip, p.n)
 
     # -- the loop -------------------------------------------------------------------------------------

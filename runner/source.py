@@ -41,6 +41,17 @@ class Row:
     sampling: dict[str, Any] | None = None  # raw per-row sampling values by key (workload.columns)
 
 
+DUPLICATE_ID = "duplicate id "  # how a repeated id's error row starts (resume tells them apart by it)
+
+
+def duplicate_id_error(rid: str, column: str | None) -> str:
+    return f"{DUPLICATE_ID}{rid!r} in column {column!r}"
+
+
+def is_duplicate_id_error(error: str | None) -> bool:
+    return bool(error) and error.startswith(DUPLICATE_ID)
+
+
 class Source:
     """Base: `batches()` yields lists of rows in source order; `total` is the row count when cheap to know."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import WorkloadConfig
-from runner.source import ParquetSource, Row, Source, open_source
+from runner.source import ParquetSource, Row, Source, duplicate_id_error, open_source
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ShardSource(Source):
             mine = [r for r in batch if self._mine(r.index)]
             for r in mine:
                 if r.index in self.duplicates:
-                    r.error = r.error or f"duplicate id {r.id!r} in column {self.id_column!r}"
+                    r.error = r.error or duplicate_id_error(r.id, self.id_column)
             if mine:
                 yield mine
             seen += len(mine)

@@ -1,0 +1,62 @@
+"""Adversarial review of the runner (issues 12 and 13): each test here failed before its fix."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from runner.job import is_done, run_job
+from tests.runner.conftest import compose_cfg
+from tests.runner.fake_engine import FakeEngine
+from tests.runner.test_job import InterruptAfter
+
+
+def rows_of(out):
+    return pq.read_table(out / "generations.parquet").to_pylist()
+
+
+def keys(out):
+    return sorted((r["id"], r["index"], r["sample_index"], r["error"] is None) for r in rows_of(out))
+
+
+def test_resume_runs_a_row_whose_repeated_id_already_has_its_error_row(tmp_path):
+    """The repeat's error row is written when read, before the first row finishes: a run interrupted
+    between the two left the id looking done, and the resume never ran the first row."""
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["first", "second", "third"], "key": ["x", "y", "x"]}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "workload.id_column=key", "sampling.n=2")
+    out = tmp_path / "out"
+    first = run_job(cfg, out, engine=InterruptAfter(FakeEngine(), 1))
+    assert first.interrupted and ("x", 2, 0, False) in keys(out) and ("x", 0, 0, True) not in keys(out)
+    run_job(cfg, out, engine=FakeEngine())
+    assert keys(out) == [("x", 0, 0, True), ("x", 0, 1, True), ("x", 2, 0, False), ("y", 1, 0, True),
+                         ("y", 1, 1, True)]
+
+
+def test_a_huge_n_is_that_rows_error_not_a_crashed_job(tmp_path):
+    """n=10**12 in one row built a 10**12-bit mask (MemoryError: the job died) before reaching the engine."""
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i}", "k": k}) + "\n" for i, k in enumerate([2, 10**12, 1025])))
+    cfg = compose_cfg("workload=jsonl", f"workload.path={src}", "+workload.columns={n: k}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    rows = {(r["id"], r["sample_index"]): r for r in rows_of(tmp_path / "out")}
+    assert sorted(rows) == [("0", 0), ("0", 1), ("1", 0), ("2", 0)]
+    for rid, n in (("1", 10**12), ("2", 1025)):
+        assert f"n={n} is more than 1024" in rows[(rid, 0)]["error"] and "column 'k'" in rows[(rid, 0)]["error"]
+    assert not is_done(0b11, 10**12) and is_done(0b11, 2) and not is_done(None, 10**12)
+
+
+def test_a_seed_torch_cannot_take_is_that_rows_error_and_the_other_rows_run(tmp_path, engine):
+    """A seed outside [-2**63, 2**64) failed the whole engine step: every row in it became an error."""
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i} hello", "s": s}) + "\n"
+                           for i, s in enumerate([3, 10**30, -5, 2**64 - 1])))
+    cfg = compose_cfg("workload=jsonl", f"workload.path={src}", "+workload.columns={seed: s}",
+                      "sampling.temperature=1.0")
+    run_job(cfg, tmp_path / "out", engine=engine)
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert [rows[i]["error"] is None for i in "0123"] == [True, False, True, True], rows["0"]["error"]
+    assert "seed=1000000000000000000000000000000 must be None or an integer in [-2**63, 2**64)" in rows["1"]["error"]
+    assert "column 's'" in rows["1"]["error"]
