@@ -63,8 +63,9 @@ class SamplingParams:
             out.append(f"top_p={self.top_p!r} must be in (0, 1]")
         if not number(self.min_p) or not 0 <= self.min_p <= 1:
             out.append(f"min_p={self.min_p!r} must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            out.append(f"seed={self.seed!r} must be an integer or None")
+        if self.seed is not None and (not count(self.seed) or not -(2**63) <= self.seed < 2**64):
+            # torch.Generator.manual_seed takes [-2**63, 2**64): a larger seed would fail the whole step
+            out.append(f"seed={self.seed!r} must be None or an integer in [-2**63, 2**64)")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
             out.append(f"stop={self.stop!r} must be a list of strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -23,6 +23,9 @@ STRUCTURED_KEYS = ("json_schema", "regex", "choice", "grammar")
 INT_KEYS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
 FLOAT_KEYS = ("temperature", "top_p", "min_p")
 COLUMN_KEYS = (*INT_KEYS, *FLOAT_KEYS, "stop", *STRUCTURED_KEYS)
+# Most samples per prompt: the engine forks all n at once when the prompt is prefilled, so a row asking
+# for millions would exhaust memory and stop the job (a run needing more writes the row several times).
+MAX_N = 1024
 
 
 class BadValue(ValueError):
@@ -162,6 +165,9 @@ def param_problems(p: SamplingParams) -> list[str]:
     count = (lambda x: isinstance(x, int) and not isinstance(x, bool))
     if not count(p.n) or p.n < 1:
         add("n", f"n={p.n!r} must be an integer >= 1 (samples per prompt)")
+    elif p.n > MAX_N:
+        add("n", f"n={p.n} is more than {MAX_N} samples per prompt: lower it, or repeat the row with "
+                 "other seeds")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         if k is not None and (not count(k) or k < 0):
