@@ -168,14 +168,14 @@ def read_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLin
     n = 0
     for f in files:
         with open(f, "rb") as fh:
-            for raw in fh:
+            for lineno, raw in enumerate(fh):
                 if not raw.strip():
                     continue
                 if limit is not None and n >= limit:
                     return
                 n += 1
                 try:
-                    text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM may start the file
+                    text = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may start each file
                 except UnicodeDecodeError as e:
                     yield BatchLine(n, None, error=f"line {n} is not UTF-8 text: {e}")
                     continue

@@ -60,3 +60,18 @@ def test_a_seed_torch_cannot_take_is_that_rows_error_and_the_other_rows_run(tmp_
     assert [rows[i]["error"] is None for i in "0123"] == [True, False, True, True], rows["0"]["error"]
     assert "seed=1000000000000000000000000000000 must be None or an integer in [-2**63, 2**64)" in rows["1"]["error"]
     assert "column 's'" in rows["1"]["error"]
+
+
+def test_a_bom_starting_any_batch_file_of_a_directory_is_allowed(tmp_path):
+    """Only the first line of the first file was decoded with utf-8-sig: the second file's first line
+    (a BOM, as Windows tools write) became an error line."""
+    def line(cid):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}})
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + (line("a1") + "\r\n\r\n" + line("a2") + "\r\n").encode())
+    (d / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + (line("b1") + "\n" + line("b2")).encode())
+    cfg = compose_cfg("workload=openai_batch", f"workload.path={d}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    out = [json.loads(x) for x in (tmp_path / "out" / "batch_output.jsonl").read_text().splitlines()]
+    assert [(o["custom_id"], o["error"]) for o in out] == [("a1", None), ("a2", None), ("b1", None), ("b2", None)]
