@@ -79,7 +79,7 @@ def as_stop(value: Any) -> list[str]:
     raise BadValue("must be a string or a list of strings")
 
 
-def as_schema(value: Any) -> dict | bool:
+def as_schema(value: Any) -> dict:
     """A JSON schema: a mapping, or JSON text of one (`true` is the schema that accepts anything)."""
     value = _plain(value)
     if isinstance(value, str):
@@ -87,7 +87,11 @@ def as_schema(value: Any) -> dict | bool:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise BadValue(f"is not valid JSON ({e})") from None
-    if isinstance(value, (dict, bool)):
+    if value is True:  # the engine takes objects only; {} is the same schema
+        return {}
+    if value is False:
+        raise BadValue("is the schema no output satisfies: give an object schema")
+    if isinstance(value, dict):
         return value
     raise BadValue("must be a JSON schema: an object, or its JSON text")
 

@@ -75,3 +75,18 @@ def test_a_bom_starting_any_batch_file_of_a_directory_is_allowed(tmp_path):
     run_job(cfg, tmp_path / "out", engine=FakeEngine())
     out = [json.loads(x) for x in (tmp_path / "out" / "batch_output.jsonl").read_text().splitlines()]
     assert [(o["custom_id"], o["error"]) for o in out] == [("a1", None), ("a2", None), ("b1", None), ("b2", None)]
+
+
+def test_json_schema_true_is_the_schema_that_accepts_anything_and_false_is_refused_naming_the_column(tmp_path):
+    """as_schema let the booleans through; the engine then refused `true` with a message naming neither
+    the column nor the value ("structured.json_schema must be a JSON string or a dict, got bool")."""
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": "hi", "s": s}) + "\n" for s in ["true", True, "false", False]))
+    cfg = compose_cfg("workload=jsonl", f"workload.path={src}", "+workload.columns={json_schema: s}")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert rows["0"]["error"] is None and rows["1"]["error"] is None
+    assert eng.params_seen["0"].structured.json_schema == {} == eng.params_seen["1"].structured.json_schema
+    for rid, shown in (("2", "'false'"), ("3", "False")):
+        assert f"column 's' (sampling json_schema) holds {shown}, which is the schema no output" in rows[rid]["error"]
