@@ -284,7 +284,8 @@ class Job:
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
-                messages, indices = t.column("error").to_pylist(), t.column("index").to_pylist()
+                messages = t.column("error").to_pylist()
+                indices = t.column("index").to_pylist() if "index" in t.schema.names else [None] * t.num_rows
                 for rid, k, err, msg, i in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
                                                indices, strict=True):
                     if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own

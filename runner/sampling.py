@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,9 @@ def as_int(value: Any) -> int:
         raise BadValue("must be an integer, not a boolean")
     if isinstance(value, (int, np.integer)):
         return int(value)
-    if isinstance(value, (float, np.floating)):
-        if math.isfinite(value) and float(value).is_integer():
+    if isinstance(value, (float, np.floating, Decimal)):  # Decimal: Parquet DECIMAL columns
+        finite = value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
+        if finite and value == int(value):
             return int(value)
         raise BadValue("must be an integer")
     if isinstance(value, str):
@@ -63,6 +65,8 @@ def as_float(value: Any) -> float:
             value = float(value.strip())
         except ValueError:
             raise BadValue("must be a number") from None
+    if isinstance(value, Decimal):  # Parquet DECIMAL columns
+        value = float(value)
     if not isinstance(value, (int, float, np.integer, np.floating)):
         raise BadValue(f"must be a number, not a {type(value).__name__}")
     if not math.isfinite(value):

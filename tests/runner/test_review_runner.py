@@ -90,3 +90,22 @@ def test_json_schema_true_is_the_schema_that_accepts_anything_and_false_is_refus
     assert eng.params_seen["0"].structured.json_schema == {} == eng.params_seen["1"].structured.json_schema
     for rid, shown in (("2", "'false'"), ("3", "False")):
         assert f"column 's' (sampling json_schema) holds {shown}, which is the schema no output" in rows[rid]["error"]
+
+
+def test_decimal_columns_are_numbers(tmp_path):
+    """Parquet DECIMAL columns (SQL exports) came back as decimal.Decimal and every row was an error
+    ("must be a number, not a Decimal")."""
+    from decimal import Decimal
+
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"],
+                             "t": pa.array([Decimal("0.70"), None, Decimal("1.25")], pa.decimal128(4, 2)),
+                             "mt": pa.array([Decimal(3), Decimal(2), Decimal("2.5")], pa.decimal128(4, 1))}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "+workload.columns={temperature: t, max_tokens: mt}")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert rows["0"]["error"] is None and rows["1"]["error"] is None
+    assert eng.params_seen["0"].temperature == 0.7 and eng.params_seen["0"].max_tokens == 3
+    assert eng.params_seen["1"].max_tokens == 2
+    assert "holds Decimal('2.5'), which must be an integer" in rows["2"]["error"]
