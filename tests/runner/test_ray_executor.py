@@ -202,3 +202,26 @@ def test_replicas_that_cannot_fit_the_cluster_are_config_errors(mixed_parquet, t
     with pytest.raises(ConfigError, match=msg):
         run_job(compose_cfg(*_args(mixed_parquet), *RAY, *over), tmp_path)
     assert not (tmp_path / "replicas").exists()  # nothing pinned: the fixed command may use another routing
+
+
+def test_n_samples_and_logprobs_through_the_merge_when_a_replica_wrote_only_error_rows(tmp_path):
+    """Replica 1's share is all bad rows (its logprob columns hold only nulls): the merged file keeps the
+    typed list columns, and the summary counts requests and samples over both replicas."""
+    path = tmp_path / "p.parquet"
+    prompts = [PROMPTS[i] for i in range(4)] + [None] * 4  # blocks of 4: replica 1 gets the 4 nulls
+    pq.write_table(pa.table({"prompt": pa.array(prompts, pa.string())}), path)
+    cfg = compose_cfg("workload=parquet", f"workload.path={path}", "sampling.n=2", "sampling.seed=0",
+                      "sampling.temperature=1.0", "sampling.logprobs=1", "sampling.max_tokens=2", "executor=ray",
+                      "executor.num_replicas=2", "executor.num_cpus_per_replica=0.5", "executor.batch_size=4")
+    result = run_job(cfg, tmp_path / "out")
+    t = pq.read_table(result.files["generations"])
+    assert t.schema.field("logprobs").type == pa.list_(pa.float32())
+    assert t.schema.field("sample_index").type == pa.int32()
+    rows = t.to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows if r["error"] is None) == \
+        [(str(i), k) for i in range(4) for k in range(2)]
+    assert sorted(r["id"] for r in rows if r["error"] is not None) == ["4", "5", "6", "7"]
+    assert all(len(r["logprobs"]) == r["output_tokens"] for r in rows if r["error"] is None)
+    s = result.summary
+    assert (s["requests"], s["samples"], s["completed"], s["errors"]) == (8, 12, 4, 4)
+    assert s["latency_s"]["ttft"]["count"] == 8 and [r["requests"] for r in s["replicas"]] == [4, 4]
