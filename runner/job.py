@@ -278,8 +278,11 @@ class Job:
 
     # -- issue 13 (features-io): an id is done when all its samples are written --
     def _done_ids(self, gen_path: Path) -> dict[str, int]:
-        """id -> the samples already written (bit mask), ERRORED for an id with an error row."""
+        """id -> the samples already written (bit mask; an error row's sample counts as written), ERRORED
+        for an id whose only row is an error at sample 0: it failed before its prompt forked into samples,
+        so that row stands for all n. An error row beside other samples' rows is that sample's alone."""
         done: dict[str, int] = {}
+        failed_early: set[str] = set()  # ids with an error row at sample 0
         self.repeats_written: set[tuple[str, int]] = set()  # (id, index) of a repeated id's error row
         if self.job.output.resume:
             for t in previous_batches(gen_path, True, self.job.output.retry_errors):
@@ -291,7 +294,12 @@ class Job:
                     if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own
                         self.repeats_written.add((rid, i))
                     else:
-                        done[rid] = ERRORED if err else done.get(rid, 0) | (1 << k)
+                        done[rid] = done.get(rid, 0) | (1 << k)
+                        if err and k == 0:
+                            failed_early.add(rid)
+        for rid in failed_early:
+            if done[rid] == 1:
+                done[rid] = ERRORED
         return done
     # -- end issue 13 --
 

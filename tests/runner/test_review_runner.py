@@ -109,3 +109,43 @@ def test_decimal_columns_are_numbers(tmp_path):
     assert eng.params_seen["0"].temperature == 0.7 and eng.params_seen["0"].max_tokens == 3
     assert eng.params_seen["1"].max_tokens == 2
     assert "holds Decimal('2.5'), which must be an integer" in rows["2"]["error"]
+
+
+class FailSampleOne:
+    """Sample 1 of every request fails on its first token (as a step failure after the fork would);
+    Ctrl-C arrives during step `interrupt_at` (None: never)."""
+
+    def __init__(self, eng, interrupt_at=None):
+        self.eng, self.interrupt_at, self.steps = eng, interrupt_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.eng, name)
+
+    def step(self):
+        import dataclasses
+
+        self.steps += 1
+        if self.interrupt_at is not None and self.steps >= self.interrupt_at:
+            raise KeyboardInterrupt
+        outs = []
+        for o in self.eng.step():
+            if o.sample_index == 1 and o.finish_reason != "error":
+                self.eng.running = [r for r in self.eng.running if not (r.id == o.request_id and r.sample_index == 1)]
+                o = dataclasses.replace(o, finished=True, finish_reason="error", error="step failed: boom")
+            outs.append(o)
+        return outs
+
+
+def test_a_sample_that_failed_after_the_fork_does_not_make_its_siblings_done_on_resume(tmp_path):
+    """A sample's error row marked the whole id done: a run interrupted before its siblings finished
+    never wrote them (only a pre-fork error, the one row of all n samples, means that)."""
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["aa", "bb"]}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "sampling.n=3", "sampling.max_tokens=6")
+    out = tmp_path / "out"
+    first = run_job(cfg, out, engine=FailSampleOne(FakeEngine(), interrupt_at=4))
+    assert first.interrupted and [(r["sample_index"], r["error"]) for r in rows_of(out)] == \
+        [(1, "step failed: boom")] * 2
+    run_job(cfg, out, engine=FakeEngine())
+    got = sorted((r["id"], r["sample_index"], r["error"] is None) for r in rows_of(out))
+    assert got == [(i, k, k != 1) for i in ("0", "1") for k in range(3)]
