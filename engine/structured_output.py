@@ -161,6 +161,26 @@ def _compile_error(kind: str, exc: BaseException) -> str:
     return f"{kind} is not valid: {text}"
 
 
+def spec_error(so: StructuredOutputs) -> str | None:
+    """Why the spec cannot compile, found by parsing it without a tokenizer (cheap: no model needed, so
+    a config-wide spec is checked before the model loads); None when it parses."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return _INSTALL_HINT
+    kind, value = spec_of(so)
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value), any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(value)
+        else:
+            xgr.Grammar.from_ebnf(choice_grammar(list(value)) if kind == "choice" else value)
+    except Exception as exc:  # noqa: BLE001 - the parser's message is the answer
+        return _compile_error(kind, exc)
+    return None
+
+
 @dataclass(eq=False)
 class GrammarState:
     """A request's (or a sample's) grammar: the shared compile and its own matcher."""

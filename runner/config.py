@@ -316,3 +316,9 @@ def _check_sampling(job: JobConfig) -> None:
     problems = param_problems(params)
     if problems:
         raise ConfigError("sampling: " + "; ".join(problems))
+    if params.structured is not None:  # a spec for every row that cannot compile would fail every row
+        from engine.structured_output import spec_error
+
+        error = spec_error(params.structured)
+        if error:
+            raise ConfigError(f"sampling.structured: {error}")

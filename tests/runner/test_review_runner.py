@@ -6,7 +6,9 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from runner.config import ConfigError
 from runner.job import is_done, run_job
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
@@ -149,3 +151,17 @@ def test_a_sample_that_failed_after_the_fork_does_not_make_its_siblings_done_on_
     run_job(cfg, out, engine=FakeEngine())
     got = sorted((r["id"], r["sample_index"], r["error"] is None) for r in rows_of(out))
     assert got == [(i, k, k != 1) for i in ("0", "1") for k in range(3)]
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("sampling.structured.json_schema='{\"type\": \"foo\"}'", 'json_schema is not valid: Unsupported type "foo"'),
+    ("sampling.structured.regex='('", "regex is not valid: Regex parsing error"),
+    ("sampling.structured.grammar='root ::= '", "grammar is not valid: EBNF parser error"),
+])
+def test_a_config_wide_structured_spec_that_cannot_compile_fails_before_the_model_loads(tmp_path, override, fragment):
+    """It failed every row, after the model (and the arrival calibration) had loaded, and the job exited 0."""
+    pytest.importorskip("xgrammar")
+    with pytest.raises(ConfigError) as e:
+        run_job(compose_cfg(override), tmp_path / "out", engine=FakeEngine())
+    assert "sampling.structured: " in str(e.value) and fragment in str(e.value), str(e.value)
+    assert not (tmp_path / "out" / "generations.parquet").exists()
