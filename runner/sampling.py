@@ -218,10 +218,17 @@ def row_params(base: SamplingParams, values: dict[str, Any], names: dict[str, st
     params = dataclasses.replace(base, **kw)
     problems = param_problems(params)
     if problems:
-        named = [f"{p} (from {names[k]})" if (k := p.split("=", 1)[0]) in kw and k in names else p
+        given = {k for k, v in values.items() if not _is_null(v)}
+        named = [f"{p} (from {names[k]})" if (k := _problem_key(p)) in given and k in names else p
                  for p in problems]
         return base, "invalid sampling for this row: " + "; ".join(named)
     return params, None
+
+
+def _problem_key(problem: str) -> str:
+    """The sampling key a problem is about: 'top_k=-1 must ...' -> top_k, 'structured.choice=[''] ...'
+    or 'structured.json_schema must ...' -> choice / json_schema."""
+    return problem.split("=", 1)[0].split(" ", 1)[0].removeprefix("structured.")
 
 
 def _show(value: Any) -> str:

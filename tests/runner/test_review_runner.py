@@ -165,3 +165,15 @@ def test_a_config_wide_structured_spec_that_cannot_compile_fails_before_the_mode
         run_job(compose_cfg(override), tmp_path / "out", engine=FakeEngine())
     assert "sampling.structured: " in str(e.value) and fragment in str(e.value), str(e.value)
     assert not (tmp_path / "out" / "generations.parquet").exists()
+
+
+def test_a_structured_value_the_engine_refuses_names_its_column(tmp_path):
+    """The engine's structured problems ('structured.choice=[''] must hold non-empty strings only') were
+    reported without the column they came from."""
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "ch": ['["yes", "no"]', '[""]']}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "+workload.columns={choice: ch}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert rows["0"]["error"] is None
+    assert "structured.choice=[''] must hold non-empty strings only (from column 'ch')" in rows["1"]["error"]
