@@ -115,6 +115,9 @@ class LLMEngine:
             logprob_vocab=logprob_vocab,
         )
         self.sampler = Sampler(config.seed, self.device)
+        # Rows the sampler takes at once: what the memory plan budgets (memory.sampler_bytes).
+        self.sample_rows = max(1, min(config.chunking.step_budget(config.max_num_seqs, self.max_model_len),
+                                      config.max_num_seqs))
         self.detokenizer = Detokenizer(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -277,17 +280,28 @@ class LLMEngine:
         items = [s.request for s in sched.scheduled if s.samples]
         forks = {r: make_samples(r, self.device) for r in items if r.forks}
         rows, samplers = expand_rows(items, forks)
-        if rows is not None:
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        # Raw logprobs: before temperature, filters or any mask touch the logits.
-        sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
+        tokens: list[int] = []
+        logprobs: dict[Request, tuple[float, TopK]] = {}
+        # The memory plan budgets the sampler for sample_rows rows (one per running sequence); forks
+        # expand a parent's row n times, so the expanded rows are drawn sample_rows at a time.
+        for lo in range(0, len(samplers), self.sample_rows):
+            hi = min(lo + self.sample_rows, len(samplers))
+            part = samplers[lo:hi]
+            if rows is None and hi - lo == logits.shape[0]:
+                chunk = logits  # the common case: every row once, no copy
+            else:
+                picked = rows[lo:hi] if rows is not None else list(range(lo, hi))
+                chunk = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+            # Raw logprobs: before temperature, filters or any mask touch the logits.
+            sample_logprobs = SampleLogprobs.prepare(chunk, part, self.runner.logprob_vocab)
+            if self.structured.in_use:  # grammar masks: on the expanded rows, after raw logprobs
+                self.structured.apply_masks(chunk, part)
+            drawn = self.sampler.sample(chunk, part)
+            tokens.extend(drawn)
+            logprobs.update((part[i], lp) for i, lp in sample_logprobs.results(drawn).items())
         # -- end issue 13 (samples) --
-        if self.structured.in_use and samplers:  # grammar masks: on the expanded rows, after raw logprobs
-            self.structured.apply_masks(logits, samplers)
-        tokens = self.sampler.sample(logits, samplers) if samplers else []
         phases["sample"] = time.perf_counter() - t2
-        lps = sample_logprobs.results(tokens)
-        return _Drawn(forks, dict(zip(samplers, tokens)), {samplers[i]: lp for i, lp in lps.items()})
+        return _Drawn(forks, dict(zip(samplers, tokens)), logprobs)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
         """A forward or the sampler raised: this step's requests fail, every other request goes on."""

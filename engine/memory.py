@@ -65,7 +65,8 @@ SAMPLER_BYTES_PER_LOGIT = 32  # float32 logits, probs, noise, sorted copy, int64
 
 def sampler_bytes(rows: int, vocab_size: int) -> int:
     """The sampler's transient tensors for `rows` sampling rows (the profile run measures only the
-    forward and the LM head, so this is added to it)."""
+    forward and the LM head, so this is added to it). The engine never samples more rows at once
+    (LLMEngine.sample_rows): n > 1 forks, which repeat a row n times, are drawn in groups of that many."""
     return rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 

@@ -250,3 +250,24 @@ def test_seeded_samples_survive_preemption_unchanged(tiny_hf_model_dir):
     for k, o in tight.items():
         assert o.logprobs == pytest.approx(roomy[k].logprobs, abs=1e-4)
         check_against_hf(o, 1, None)
+
+
+def test_forked_rows_are_sampled_within_the_budgeted_rows(tiny_hf_model_dir, monkeypatch):
+    """The memory plan budgets the sampler for one row per running sequence (memory.sampler_bytes);
+    n=16 forks of several prompts in one step would otherwise materialise n x that many rows of
+    [vocab] float32 copies (qwen3_4b vocab, max_num_seqs 256, n=16: ~20 GiB against 1.2 GiB budgeted).
+    The engine draws them sample_rows at a time, with the same seeded tokens and logprobs."""
+    path = tiny_hf_model_dir("llama")
+    prompts = [random_prompt(5 + i, seed=40 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, n=6, seed=11, logprobs=2)
+    ref = make_engine(path, max_num_seqs=32).generate(prompts, params)
+    eng = make_engine(path, max_num_seqs=32)
+    eng.sample_rows = 4
+    widths = []
+    original = eng.sampler.sample
+    monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: widths.append(len(reqs)) or original(logits, reqs))
+    outs = eng.generate(prompts, params)
+    assert max(widths) <= 4 and sum(widths) >= 18  # the 3 x 6 first tokens, 4 rows at a time
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in ref]
+    assert eng.num_free_blocks() == eng.num_total_blocks()
