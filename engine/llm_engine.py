@@ -339,13 +339,9 @@ class LLMEngine:
                     req.metrics.num_prefill_chunks += 1
                 self.kv.register_computed(req)
                 if s.samples:
-                    outputs.extend(self._after_sampling(req, drawn, now))
+                    outputs.extend(self._after_sampling(req, drawn, now, failed))
             except Exception as exc:  # noqa: BLE001 - one request's bad update fails only that request
-                req.error = f"update failed: {type(exc).__name__}: {exc}"
-                if not req.finished:
-                    self._finish(req, "error", now)
-                failed.append(req.request_id)
-                outputs.append(self._output(req, [], ""))
+                outputs.append(self._fail_update(req, exc, now, failed))
         phases["update"] = time.perf_counter() - t3
         self.clock.step_finished(phases["update"])
         self._record(sched, start, self.clock.now(), failed)
@@ -386,8 +382,16 @@ class LLMEngine:
         return out
 
     # -- issue 13: n samples, logprobs, scoring (branch samples) -----------------------------------
-    def _after_sampling(self, req: Request, drawn: _Drawn, now: float) -> list[RequestOutput]:
-        """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end."""
+    def _fail_update(self, req: Request, exc: Exception, now: float, failed: list[str]) -> RequestOutput:
+        req.error = f"update failed: {type(exc).__name__}: {exc}"
+        if not req.finished:
+            self._finish(req, "error", now)
+        failed.append(req.request_id)
+        return self._output(req, [], "")
+
+    def _after_sampling(self, req: Request, drawn: _Drawn, now: float, failed: list[str]) -> list[RequestOutput]:
+        """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end.
+        Once forked, each sample's token is its own: one that fails fails alone, its siblings go on."""
         if req.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it wanted
             self._finish(req, "length", now)
             out = self._output(req, [], "")
@@ -397,10 +401,13 @@ class LLMEngine:
             self._fork(req, samples)
         outputs = []
         for r in samples:
-            if r in drawn.logprobs:
-                r.logprobs.append(drawn.logprobs[r][0])
-                r.top_logprobs.append(drawn.logprobs[r][1])
-            outputs.append(self._append_token(r, drawn.tokens[r], now))
+            try:
+                if r in drawn.logprobs:
+                    r.logprobs.append(drawn.logprobs[r][0])
+                    r.top_logprobs.append(drawn.logprobs[r][1])
+                outputs.append(self._append_token(r, drawn.tokens[r], now))
+            except Exception as exc:  # noqa: BLE001 - one sample's bad update fails only that sample
+                outputs.append(self._fail_update(r, exc, now, failed))
         return outputs
 
     def _fork(self, parent: Request, samples: list[Request]) -> None:
