@@ -18,7 +18,7 @@ from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.logprobs import SampleLogprobs, TopK
-from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
+from engine.memory import plan_kv_cache, profile_peak_bytes, prompt_logprob_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
 from engine.n_samples import expand_rows, make_samples
 from engine.profiling import compile_forward, warm_up_kernels
@@ -87,7 +87,8 @@ class LLMEngine:
             if get_backend(self.device, mc.attention_backend) == "triton":  # compile before the first step
                 self.kernel_warmup_s = warm_up_kernels(self.model, self.max_model_len, config.max_num_seqs, step,
                                                        mc.attention_backend)
-            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
+            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size) + prompt_logprob_bytes(
+                arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
