@@ -110,7 +110,8 @@ def test_jsonl_replica_parses_only_its_lines_and_keeps_bad_lines_as_errors(tmp_p
     assert any(e and "line 6 is not a JSON object" in e for *_, e in shares[routing.owner(5)])
     # each open_source parses the first line to check the columns; beyond that, every line once in all
     assert len(parsed) == 3 + len(lines)
-    assert sorted(x.strip() for x in parsed[1:] if x != parsed[0]) == sorted(x for x in lines if x != lines[0])
+    texts = [x.decode() if isinstance(x, bytes) else x for x in parsed]  # lines are parsed as bytes (UTF-8)
+    assert sorted(x.strip() for x in texts[1:] if x != texts[0]) == sorted(x for x in lines if x != lines[0])
 
 
 @pytest.mark.parametrize("kind", ["arrow", "hf_dataset", "synthetic"])
