@@ -18,7 +18,7 @@ from engine.config import EngineConfig, EngineConfigError
 from engine.detokenizer import Detokenizer, DetokState, find_stop
 from engine.kv_cache import KVCacheManager
 from engine.logprobs import SampleLogprobs, TopK
-from engine.memory import plan_kv_cache, profile_peak_bytes, sampler_bytes
+from engine.memory import plan_kv_cache, profile_peak_bytes, prompt_logprob_bytes, sampler_bytes
 from engine.model_runner import ModelRunner
 from engine.n_samples import expand_rows, make_samples
 from engine.profiling import compile_forward, warm_up_kernels
@@ -87,7 +87,8 @@ class LLMEngine:
             if get_backend(self.device, mc.attention_backend) == "triton":  # compile before the first step
                 self.kernel_warmup_s = warm_up_kernels(self.model, self.max_model_len, config.max_num_seqs, step,
                                                        mc.attention_backend)
-            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
+            peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size) + prompt_logprob_bytes(
+                arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading
                 config, arch, elem, self.device, measured_activation_bytes=peak,
                 available_bytes=self.memory_plan.available_bytes)
@@ -115,6 +116,9 @@ class LLMEngine:
             logprob_vocab=logprob_vocab,
         )
         self.sampler = Sampler(config.seed, self.device)
+        # Rows the sampler takes at once: what the memory plan budgets (memory.sampler_bytes).
+        self.sample_rows = max(1, min(config.chunking.step_budget(config.max_num_seqs, self.max_model_len),
+                                      config.max_num_seqs))
         self.detokenizer = Detokenizer(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -277,17 +281,28 @@ class LLMEngine:
         items = [s.request for s in sched.scheduled if s.samples]
         forks = {r: make_samples(r, self.device) for r in items if r.forks}
         rows, samplers = expand_rows(items, forks)
-        if rows is not None:
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        # Raw logprobs: before temperature, filters or any mask touch the logits.
-        sample_logprobs = SampleLogprobs.prepare(logits, samplers, self.runner.logprob_vocab)
+        tokens: list[int] = []
+        logprobs: dict[Request, tuple[float, TopK]] = {}
+        # The memory plan budgets the sampler for sample_rows rows (one per running sequence); forks
+        # expand a parent's row n times, so the expanded rows are drawn sample_rows at a time.
+        for lo in range(0, len(samplers), self.sample_rows):
+            hi = min(lo + self.sample_rows, len(samplers))
+            part = samplers[lo:hi]
+            if rows is None and hi - lo == logits.shape[0]:
+                chunk = logits  # the common case: every row once, no copy
+            else:
+                picked = rows[lo:hi] if rows is not None else list(range(lo, hi))
+                chunk = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+            # Raw logprobs: before temperature, filters or any mask touch the logits.
+            sample_logprobs = SampleLogprobs.prepare(chunk, part, self.runner.logprob_vocab)
+            if self.structured.in_use:  # grammar masks: on the expanded rows, after raw logprobs
+                self.structured.apply_masks(chunk, part)
+            drawn = self.sampler.sample(chunk, part)
+            tokens.extend(drawn)
+            logprobs.update((part[i], lp) for i, lp in sample_logprobs.results(drawn).items())
         # -- end issue 13 (samples) --
-        if self.structured.in_use and samplers:  # grammar masks: on the expanded rows, after raw logprobs
-            self.structured.apply_masks(logits, samplers)
-        tokens = self.sampler.sample(logits, samplers) if samplers else []
         phases["sample"] = time.perf_counter() - t2
-        lps = sample_logprobs.results(tokens)
-        return _Drawn(forks, dict(zip(samplers, tokens)), {samplers[i]: lp for i, lp in lps.items()})
+        return _Drawn(forks, dict(zip(samplers, tokens)), logprobs)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
         """A forward or the sampler raised: this step's requests fail, every other request goes on."""
@@ -325,13 +340,9 @@ class LLMEngine:
                     req.metrics.num_prefill_chunks += 1
                 self.kv.register_computed(req)
                 if s.samples:
-                    outputs.extend(self._after_sampling(req, drawn, now))
+                    outputs.extend(self._after_sampling(req, drawn, now, failed))
             except Exception as exc:  # noqa: BLE001 - one request's bad update fails only that request
-                req.error = f"update failed: {type(exc).__name__}: {exc}"
-                if not req.finished:
-                    self._finish(req, "error", now)
-                failed.append(req.request_id)
-                outputs.append(self._output(req, [], ""))
+                outputs.append(self._fail_update(req, exc, now, failed))
         phases["update"] = time.perf_counter() - t3
         self.clock.step_finished(phases["update"])
         self._record(sched, start, self.clock.now(), failed)
@@ -372,8 +383,16 @@ class LLMEngine:
         return out
 
     # -- issue 13: n samples, logprobs, scoring (branch samples) -----------------------------------
-    def _after_sampling(self, req: Request, drawn: _Drawn, now: float) -> list[RequestOutput]:
-        """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end."""
+    def _fail_update(self, req: Request, exc: Exception, now: float, failed: list[str]) -> RequestOutput:
+        req.error = f"update failed: {type(exc).__name__}: {exc}"
+        if not req.finished:
+            self._finish(req, "error", now)
+        failed.append(req.request_id)
+        return self._output(req, [], "")
+
+    def _after_sampling(self, req: Request, drawn: _Drawn, now: float, failed: list[str]) -> list[RequestOutput]:
+        """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end.
+        Once forked, each sample's token is its own: one that fails fails alone, its siblings go on."""
         if req.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it wanted
             self._finish(req, "length", now)
             out = self._output(req, [], "")
@@ -383,10 +402,13 @@ class LLMEngine:
             self._fork(req, samples)
         outputs = []
         for r in samples:
-            if r in drawn.logprobs:
-                r.logprobs.append(drawn.logprobs[r][0])
-                r.top_logprobs.append(drawn.logprobs[r][1])
-            outputs.append(self._append_token(r, drawn.tokens[r], now))
+            try:
+                if r in drawn.logprobs:
+                    r.logprobs.append(drawn.logprobs[r][0])
+                    r.top_logprobs.append(drawn.logprobs[r][1])
+                outputs.append(self._append_token(r, drawn.tokens[r], now))
+            except Exception as exc:  # noqa: BLE001 - one sample's bad update fails only that sample
+                outputs.append(self._fail_update(r, exc, now, failed))
         return outputs
 
     def _fork(self, parent: Request, samples: list[Request]) -> None:

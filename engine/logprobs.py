@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.memory import PROMPT_LOGPROB_LOGITS
 from engine.request import Request
 
-# Rows of [rows, vocab] float32 logits materialised at once for prompt logprobs (~128 MiB at most).
-_MAX_LOGIT_ELEMENTS = 2**25
+# Rows of [rows, vocab] float32 logits materialised at once for prompt logprobs (~128 MiB at most);
+# the memory plan budgets this piece (memory.prompt_logprob_bytes).
+_MAX_LOGIT_ELEMENTS = PROMPT_LOGPROB_LOGITS
 
 TopK = list[tuple[int, float]]
 

@@ -65,8 +65,20 @@ SAMPLER_BYTES_PER_LOGIT = 32  # float32 logits, probs, noise, sorted copy, int64
 
 def sampler_bytes(rows: int, vocab_size: int) -> int:
     """The sampler's transient tensors for `rows` sampling rows (the profile run measures only the
-    forward and the LM head, so this is added to it)."""
+    forward and the LM head, so this is added to it). The engine never samples more rows at once
+    (LLMEngine.sample_rows): n > 1 forks, which repeat a row n times, are drawn in groups of that many."""
     return rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+# Logits engine/logprobs.py materialises at once for prompt logprobs ([rows, vocab], ~128 MiB in float32).
+PROMPT_LOGPROB_LOGITS = 2**25
+
+
+def prompt_logprob_bytes(vocab_size: int) -> int:
+    """Prompt logprobs' transient tensors: one bounded piece of logits in the model's dtype, its float32
+    copy and its log_softmax (12 bytes a logit at most). The profile run does not ask for them."""
+    rows = max(1, PROMPT_LOGPROB_LOGITS // vocab_size)
+    return rows * vocab_size * 12
 
 
 def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -74,7 +86,8 @@ def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max
     """Peak transient memory of one forward of `step_tokens` tokens, with a safety factor of 2.
 
     Per token: the residual stream and a normed copy, q/k/v, the attention output, and the MLP's
-    gate/up/product; the sampler's float32 copies of at most one logits row per running sequence; the CPU reference
+    gate/up/product; the sampler's float32 copies of at most one logits row per running sequence and
+    the bounded piece of prompt-logprob logits; the CPU reference
     attention gathers one sequence's context keys and values (float32) per layer.
     """
     s = shape
@@ -83,7 +96,7 @@ def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max
     hidden = step_tokens * per_token * elem
     logits = sampler_bytes(min(step_tokens, max_num_seqs), s.vocab_size)
     context = 2 * max_model_len * s.num_kv_heads * s.head_dim * 4
-    return 2 * (hidden + logits + context)
+    return 2 * (hidden + logits + context) + prompt_logprob_bytes(s.vocab_size)  # that one is exact
 
 
 def plan_memory(shape: ModelShape, *, elem: int, device: str, available_bytes: int, step_tokens: int,

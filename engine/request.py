@@ -71,8 +71,6 @@ class Request:
     num_emitted_chars: int = 0  # prefix of `text` already reported (the rest may start a stop string)
     # Per-request RNG state (torch.Generator) when params.seed is set; set by the sampler.
     generator: object | None = None
-    # Tokens known at admission; after preemption, generated tokens are recomputed too.
-    prefill_target: int = 0
     # -- issue 13: n samples and logprobs (branch samples) --
     sample_index: int = 0
     children: list[Request] = field(default_factory=list)  # n > 1: the samples forked after the prefill

@@ -190,7 +190,7 @@ class GrammarState:
     stop_ids: list[int]
     matcher: Any = None
     error: str | None = None  # set when the compile failed: the request fails with it
-    exhausted: bool = False  # the grammar allows no further token at all (no stop token exists)
+    exhausted: bool = False  # complete, with nothing further allowed (only when it has no stop token)
     after_ed: bool = False  # the text so far ends with the lead byte ED (see VocabMasks)
 
     def ready(self) -> bool:
@@ -343,7 +343,12 @@ class StructuredOutputManager:
         bitmask[index] = masks
         keep = []
         for i, g, ex, st in zip(rows, states, exhausted.tolist(), stuck.tolist()):
-            if ex:
+            if ex and g.stop_ids:
+                # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
+                # complete: a token it needs is one of the request's stop_token_ids (or EOS).
+                g.error = (f"{g.kind} cannot continue: the tokens it needs next are stop tokens "
+                           f"{g.stop_ids}; remove them from stop_token_ids")
+            elif ex:
                 g.exhausted = True
             elif st:
                 g.error = f"{g.kind} cannot continue: it allows only raw control characters or surrogates here"

@@ -36,8 +36,8 @@ def test_qwen3_4b_fp32_on_a_24_gib_machine_with_other_work_is_refused_with_the_n
 
 
 def test_a_cache_size_ladle_chose_shrinks_to_what_is_left():
-    plan, blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=17 * GIB)
-    assert plan.total_bytes <= 17 * GIB and blocks * 16 >= 4096  # still one full-length sequence
+    plan, blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=int(17.5 * GIB))
+    assert plan.total_bytes <= 17.5 * GIB and blocks * 16 >= 4096  # still one full-length sequence
     roomy, roomy_blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=64 * GIB)
     assert roomy.kv_bytes <= 4 * GIB + 16 * roomy.kv_bytes_per_token and roomy_blocks > blocks  # CPU cap
 
@@ -82,3 +82,23 @@ def test_profile_run_runs_a_forward_at_the_step_width(tiny_hf_model_dir):
 
     model = load_model(str(tiny_hf_model_dir("qwen3")), None, torch.float32, "cpu")
     assert profile_peak_bytes(model, 300, 128) is None  # CPU: no allocator counter, the estimate stands
+
+
+def test_prompt_logprob_logits_are_budgeted(monkeypatch):
+    """Prompt logprobs materialise a bounded piece of [rows, vocab] logits (engine/logprobs.py) that the
+    profile run never sees: the plan holds that piece's bytes (float32 copy + log_softmax + the model's
+    own logits), at the rows token_logprobs really takes (qwen3_4b: 220 rows, ~383 MiB)."""
+    import engine.logprobs as lp_mod
+    from engine.memory import prompt_logprob_bytes, sampler_bytes, shape_of
+
+    vocab = _arch().vocab_size
+    widths = []
+
+    def logits(h):
+        widths.append(h.shape[0])
+        return torch.zeros(h.shape[0], vocab)
+
+    lp_mod.token_logprobs(logits, torch.zeros(500, 1), [0] * 500, 0, vocab, vocab)
+    assert max(widths) * vocab * 12 <= prompt_logprob_bytes(vocab) < 400 * 2**20
+    s = shape_of(_arch())
+    assert activation_bytes(s, 256, 64, 4096, 2) >= 2 * sampler_bytes(64, vocab) + prompt_logprob_bytes(vocab)

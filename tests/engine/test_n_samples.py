@@ -250,3 +250,54 @@ def test_seeded_samples_survive_preemption_unchanged(tiny_hf_model_dir):
     for k, o in tight.items():
         assert o.logprobs == pytest.approx(roomy[k].logprobs, abs=1e-4)
         check_against_hf(o, 1, None)
+
+
+def test_forked_rows_are_sampled_within_the_budgeted_rows(tiny_hf_model_dir, monkeypatch):
+    """The memory plan budgets the sampler for one row per running sequence (memory.sampler_bytes);
+    n=16 forks of several prompts in one step would otherwise materialise n x that many rows of
+    [vocab] float32 copies (qwen3_4b vocab, max_num_seqs 256, n=16: ~20 GiB against 1.2 GiB budgeted).
+    The engine draws them sample_rows at a time, with the same seeded tokens and logprobs."""
+    path = tiny_hf_model_dir("llama")
+    prompts = [random_prompt(5 + i, seed=40 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, n=6, seed=11, logprobs=2)
+    ref = make_engine(path, max_num_seqs=32).generate(prompts, params)
+    eng = make_engine(path, max_num_seqs=32)
+    eng.sample_rows = 4
+    widths = []
+    original = eng.sampler.sample
+    monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: widths.append(len(reqs)) or original(logits, reqs))
+    outs = eng.generate(prompts, params)
+    assert max(widths) <= 4 and sum(widths) >= 18  # the 3 x 6 first tokens, 4 rows at a time
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in ref]
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+@pytest.mark.parametrize("failing_sample", [0, 1])
+def test_a_sample_whose_first_token_fails_fails_alone(tiny_hf_model_dir, failing_sample):
+    """The update of one sample's first token raises (here the detokenizer): that sample fails, its
+    siblings run to the end and every block comes back. Before: the siblings after it never got their
+    first token and sat in the running list unscheduled forever (the engine spun), their blocks held."""
+    eng = make_engine(tiny_hf_model_dir("llama"))
+    calls = {"n": 0}
+    original = eng.detokenizer.step
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == failing_sample + 1:  # the fork's step detokenises samples 0, 1, 2 in order
+            raise ValueError("injected")
+        return original(*args)
+
+    eng.detokenizer.step = flaky
+    eng.add_request(random_prompt(9, seed=1), greedy(3, max_tokens=5), request_id="q")
+    done = {}
+    for _ in range(50):
+        if not eng.has_unfinished_requests():
+            break
+        done.update({o.sample_index: o for o in eng.step() if o.finished})
+    assert not eng.has_unfinished_requests() and not eng.requests
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+    assert sorted(done) == [0, 1, 2]
+    assert done[failing_sample].finish_reason == "error" and "injected" in done[failing_sample].error
+    expected = hf_greedy(hf_model(), random_prompt(9, seed=1), 5)
+    assert all(done[i].output_token_ids == expected for i in (0, 1, 2) if i != failing_sample)

@@ -402,3 +402,15 @@ def test_the_compile_cache_is_bounded(monkeypatch):
     for regex in ["a", "b", "c", "a", "c"]:  # "a" was evicted by "c"; "c" is still cached
         mgr.submit(Request("r", [1], sampling(0.0, None, regex=regex), RequestMetrics(arrival_time=0.0)))
     assert mgr.num_compiles == 4 and len(mgr._cache) == 2
+
+
+def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(tiny_hf_model_dir):
+    """stop_token_ids holds "}" which the regex must end with: the grammar can never complete, so the
+    request fails naming the collision instead of finishing "stop" with "{b" (before: "stop")."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    spec = StructuredOutputs(regex=r"\{[ab]\}")
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[ord("}")], structured=spec)
+    rid = eng.add_request([1, 2, 3], params)
+    out = run_to_completion(eng)[rid]
+    assert out.finish_reason == "error" and out.text in ("{a", "{b"), (out.finish_reason, out.text)
+    assert "stop_token_ids" in out.error and str(ord("}")) in out.error
