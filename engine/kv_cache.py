@@ -178,7 +178,7 @@ class KVCacheManager:
             self.pool.register(req.block_ids[i], hashes[i])
         req.num_cached_blocks = full
 
-    # -- issue 13: n samples (branch samples) --------------------------------------------------------
+    # -- n samples --
     def fork(self, src: Request, dst: Request) -> bool:
         """Give `dst` the KV of src's computed tokens: its full blocks are shared (one more reference
         each) and the partly filled last block is copied (copy-on-write, done at fork time since every
@@ -208,7 +208,6 @@ class KVCacheManager:
         dst.num_computed_tokens = src.num_computed_tokens
         dst.block_hashes = list(src.block_hashes)
         dst.num_cached_blocks, src.num_cached_blocks = src.num_cached_blocks, 0
-    # -- end issue 13 (samples) ----------------------------------------------------------------------
 
     def free(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))

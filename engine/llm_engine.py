@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Drawn:
-    """What the sampler drew in a step (issue 13, branch samples): a token (and logprobs, when asked)
-    per sampling request; `forks` maps each parent forking this step to its n samples."""
+    """What the sampler drew in a step: a token (and logprobs, when asked) per sampling request;
+    `forks` maps each parent forking this step to its n samples."""
 
     forks: dict[Request, list[Request]]
     tokens: dict[Request, int]
@@ -277,14 +277,22 @@ class LLMEngine:
         t2 = time.perf_counter()
         phases["prepare"] = self.runner.prepare_time
         phases["forward"] = t2 - t1 - self.runner.prepare_time
-        # -- issue 13: n samples and logprobs (branch samples) --
         items = [s.request for s in sched.scheduled if s.samples]
         forks = {r: make_samples(r, self.device) for r in items if r.forks}
         rows, samplers = expand_rows(items, forks)
+        tokens, logprobs = self._sample(logits, rows, samplers)
+        phases["sample"] = time.perf_counter() - t2
+        return _Drawn(forks, dict(zip(samplers, tokens)), logprobs)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[int] | None, samplers: list[Request]
+    ) -> tuple[list[int], dict[Request, tuple[float, TopK]]]:
+        """Draw a token per sampler from its logits row (`rows[i]`, or row i when rows is None): raw
+        logprobs first, then grammar masks, then the sampler. The memory plan budgets the sampler for
+        sample_rows rows (one per running sequence); forks repeat a parent's row n times, so the
+        expanded rows are drawn sample_rows at a time."""
         tokens: list[int] = []
         logprobs: dict[Request, tuple[float, TopK]] = {}
-        # The memory plan budgets the sampler for sample_rows rows (one per running sequence); forks
-        # expand a parent's row n times, so the expanded rows are drawn sample_rows at a time.
         for lo in range(0, len(samplers), self.sample_rows):
             hi = min(lo + self.sample_rows, len(samplers))
             part = samplers[lo:hi]
@@ -293,16 +301,13 @@ class LLMEngine:
             else:
                 picked = rows[lo:hi] if rows is not None else list(range(lo, hi))
                 chunk = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
-            # Raw logprobs: before temperature, filters or any mask touch the logits.
-            sample_logprobs = SampleLogprobs.prepare(chunk, part, self.runner.logprob_vocab)
-            if self.structured.in_use:  # grammar masks: on the expanded rows, after raw logprobs
+            sample_logprobs = SampleLogprobs.prepare(chunk, part, self.runner.logprob_vocab)  # raw logits
+            if self.structured.in_use:
                 self.structured.apply_masks(chunk, part)
             drawn = self.sampler.sample(chunk, part)
             tokens.extend(drawn)
             logprobs.update((part[i], lp) for i, lp in sample_logprobs.results(drawn).items())
-        # -- end issue 13 (samples) --
-        phases["sample"] = time.perf_counter() - t2
-        return _Drawn(forks, dict(zip(samplers, tokens)), logprobs)
+        return tokens, logprobs
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception, start: float, t0: float) -> list[RequestOutput]:
         """A forward or the sampler raised: this step's requests fail, every other request goes on."""
@@ -382,7 +387,7 @@ class LLMEngine:
             out[s.request.request_id] = out.get(s.request.request_id, 0) + s.num_tokens
         return out
 
-    # -- issue 13: n samples, logprobs, scoring (branch samples) -----------------------------------
+    # -- n samples, logprobs, scoring ---------------------------------------------------------------
     def _fail_update(self, req: Request, exc: Exception, now: float, failed: list[str]) -> RequestOutput:
         req.error = f"update failed: {type(exc).__name__}: {exc}"
         if not req.finished:
@@ -431,7 +436,6 @@ class LLMEngine:
         for child in samples:
             child.metrics = dataclasses.replace(parent.metrics, token_times=[])  # the prefill's, shared history
             self._detok[child] = DetokState.for_prompt(child.num_prompt_tokens)
-    # -- end issue 13 (samples) ----------------------------------------------------------------------
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         if req.grammar is not None:  # a failed compile, or a grammar with nothing left to allow

@@ -71,7 +71,7 @@ class Request:
     num_emitted_chars: int = 0  # prefix of `text` already reported (the rest may start a stop string)
     # Per-request RNG state (torch.Generator) when params.seed is set; set by the sampler.
     generator: object | None = None
-    # -- issue 13: n samples and logprobs (branch samples) --
+    # -- n samples and logprobs --
     sample_index: int = 0
     children: list[Request] = field(default_factory=list)  # n > 1: the samples forked after the prefill
     parent: Request | None = None  # a sample: the request that prefilled its prompt
@@ -80,7 +80,6 @@ class Request:
     # Prompt logprobs computed so far, in position order ([0] is None); a prefix of the prompt.
     prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=lambda: [[]])
-    # -- end issue 13 (samples) --
     # Structured output: its GrammarState (engine/structured_output.py), None without a spec.
     grammar: object | None = None
 

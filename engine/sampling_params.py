@@ -43,7 +43,7 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         out = []
-        # -- issue 13: n / logprobs / prompt_logprobs / scoring (branch samples) --
+        # -- n / logprobs / prompt_logprobs / scoring --
         if not count(self.max_tokens) or self.max_tokens < 0:
             out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         elif self.max_tokens == 0 and self.prompt_logprobs is None:
@@ -54,7 +54,6 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not count(k) or k < 0):
                 out.append(f"{name}={k!r} must be None (off) or an integer >= 0 (top-k alternatives)")
-        # -- end issue 13 (samples) --
         if not number(self.temperature) or self.temperature < 0:
             out.append(f"temperature={self.temperature!r} must be a number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -72,13 +71,12 @@ class SamplingParams:
             isinstance(x, int) for x in self.stop_token_ids
         ):
             out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
-        # -- issue 13: structured output (branch structured) --
+        # -- structured output --
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputs):
                 out.append(f"structured={self.structured!r} must be a StructuredOutputs or None")
             else:
                 out.extend(structured_problems(self.structured))
-        # -- end issue 13 (structured) --
         return out
 
 
