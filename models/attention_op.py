@@ -7,11 +7,13 @@ tensors and per-layer constants only. The step's metadata and the KV caches are 
 caller puts them in a forward context (`attention_context`) around the compiled call, and the op reads
 them from there (vLLM's forward context does the same). Nothing that changes per step reaches the
 graph as a Python value, so nothing is guarded per step, and the KV cache write is a side effect the
-graph does not see (no functionalised copy of the cache).
+graph does not see (no functionalised copy of the cache). The context is per thread: engines stepping
+in two threads of one process each read their own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,18 +29,22 @@ class _ForwardContext:
     kv_caches: list[torch.Tensor]
 
 
-_context: _ForwardContext | None = None
+class _ThreadContext(threading.local):
+    current: _ForwardContext | None = None
+
+
+# Per thread: a process-wide global let one thread's forward read another's metadata and caches.
+_local = _ThreadContext()
 
 
 @contextmanager
 def attention_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Iterator[None]:
-    """Make `meta` and the per-layer caches what `ladle::attention` reads inside this block."""
-    global _context
-    previous, _context = _context, _ForwardContext(meta, kv_caches)
+    """Make `meta` and the per-layer caches what `ladle::attention` reads inside this block (this thread)."""
+    previous, _local.current = _local.current, _ForwardContext(meta, kv_caches)
     try:
         yield
     finally:
-        _context = previous
+        _local.current = previous
 
 
 @torch.library.custom_op("ladle::attention", mutates_args=())
@@ -47,14 +53,15 @@ def attention_op(
 ) -> torch.Tensor:
     """kernels.attention on layer `layer`'s cache with the context's metadata. window <= 0 means none,
     softcap == 0 means none (custom op schemas take no Optional scalars the compiler keeps constant)."""
-    if _context is None:
+    context = _local.current
+    if context is None:
         raise RuntimeError("ladle::attention called outside attention_context(meta, kv_caches)")
     out = attention(
         q,
         k,
         v,
-        _context.kv_caches[layer],
-        _context.meta,
+        context.kv_caches[layer],
+        context.meta,
         scale=scale,
         sliding_window=window if window > 0 else None,
         softcap=softcap if softcap != 0 else None,
