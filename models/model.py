@@ -82,7 +82,14 @@ class CausalLM(nn.Module):
         param = next(self.parameters())
         for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
             rope.prepare(param.device, param.dtype)
-        self._compiled = torch.compile(self._forward, fullgraph=True)
+        options = None
+        if param.dtype in (torch.bfloat16, torch.float16):
+            # Eager's numerics, so compiled greedy outputs equal eager's (and transformers'): inductor
+            # otherwise keeps fused bf16 intermediates in fp32 (one rounding where eager rounds per op)
+            # and its pattern pass turns o_proj/down_proj + residual add into one addmm (the residual
+            # summed inside the GEMM). Both changed greedy tokens of the tiny bf16 models.
+            options = {"emulate_precision_casts": True, "pattern_matcher": False}
+        self._compiled = torch.compile(self._forward, fullgraph=True, options=options)
 
     @property
     def compiled(self) -> bool:
