@@ -181,3 +181,34 @@ def test_a_structured_value_the_engine_refuses_names_its_column(tmp_path):
     rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
     assert rows["0"]["error"] is None
     assert "structured.choice=[''] must hold non-empty strings only (from column 'ch')" in rows["1"]["error"]
+
+
+@pytest.mark.parametrize("col,values,key", [
+    ("temp", pa.array([{"t": 1.0}, {"t": 0.5}]), "temperature"),
+    ("seed", pa.array([True, False]), "seed"),
+    ("stops", pa.array([1, 2]), "stop"),
+    ("schema", pa.array([1.0, 2.0]), "json_schema"),
+])
+def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_model_loads(tmp_path, col, values, key):
+    """Every row was an error row, found only after the model had loaded."""
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", f"+workload.columns={{{key}: {col}}}")
+    with pytest.raises(ConfigError) as e:
+        run_job(cfg, tmp_path / "out", engine=None)
+    assert f"workload column {col!r} (sampling {key})" in str(e.value) and "has type" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("col,values,key", [
+    ("temp", pa.array([1, None], pa.int64()), "temperature"),
+    ("temp", pa.array(["0.5", None]), "temperature"),
+    ("stops", pa.array([["a"], None]), "stop"),
+    ("schema", pa.array([{"type": "object"}, None]), "json_schema"),
+    ("choice", pa.array([["y", "n"], None]), "choice"),
+])
+def test_usable_column_types_are_accepted(tmp_path, col, values, key):
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", f"+workload.columns={{{key}: {col}}}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    assert len(rows_of(tmp_path / "out")) == 2
