@@ -279,8 +279,8 @@ class Job:
     # -- issue 13 (features-io): an id is done when all its samples are written --
     def _done_ids(self, gen_path: Path) -> dict[str, int]:
         """id -> the samples already written (bit mask; an error row's sample counts as written), ERRORED
-        for an id whose only row is an error at sample 0: it failed before its prompt forked into samples,
-        so that row stands for all n. An error row beside other samples' rows is that sample's alone."""
+        for an id whose only row is an error at sample 0 with no token: it failed before its prompt forked
+        into samples, so that row stands for all n. Any other error row is that sample's alone."""
         done: dict[str, int] = {}
         failed_early: set[str] = set()  # ids with an error row at sample 0
         self.repeats_written: set[tuple[str, int]] = set()  # (id, index) of a repeated id's error row
@@ -289,13 +289,16 @@ class Job:
                 errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
                 messages = t.column("error").to_pylist()
                 indices = t.column("index").to_pylist() if "index" in t.schema.names else [None] * t.num_rows
-                for rid, k, err, msg, i in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
-                                               indices, strict=True):
+                # A pre-fork failure drew no token; a sample failing after the fork had drawn its first.
+                drew = (pc.fill_null(t.column("output_tokens"), 0).to_pylist() if "output_tokens" in t.schema.names
+                        else [0] * t.num_rows)
+                for rid, k, err, msg, i, n_out in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
+                                                      indices, drew, strict=True):
                     if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own
                         self.repeats_written.add((rid, i))
                     else:
                         done[rid] = done.get(rid, 0) | (1 << k)
-                        if err and k == 0:
+                        if err and k == 0 and n_out == 0:
                             failed_early.add(rid)
         for rid in failed_early:
             if done[rid] == 1:

@@ -93,6 +93,16 @@ class Source:
                 raise ConfigError(f"workload.{key}={col!r} is not a column of {where}; "
                                   f"its columns are: {', '.join(available) or '(none)'}")
 
+    def _check_column_types(self, schema: pa.Schema, where: str) -> None:
+        """A sampling column whose Arrow type can hold no usable value (a struct of temperatures, a
+        boolean seed) is a config error now, not an error row for every row after the model loads."""
+        for key, col in self.sampling_columns.items():
+            t = schema.field(col).type
+            if not _usable_type(key, t):
+                raise ConfigError(f"workload column {col!r} (sampling {key}) in {where} has type {t}, which "
+                                  f"cannot hold {key} values ({_TYPE_HINT[_type_group(key)]}); "
+                                  "point the key at another column or convert this one")
+
     def _rows(self, cols: dict[str, list], start: int) -> list[Row]:
         c = self.cfg
         n = len(cols[c.prompt_column])
@@ -169,6 +179,7 @@ class ParquetSource(Source):
         except (pa.ArrowInvalid, OSError) as e:
             raise ConfigError(f"workload.path={cfg.path!r} is not readable as Parquet: {e}") from None
         self._check_columns(self.dataset.schema.names, repr(cfg.path))
+        self._check_column_types(self.dataset.schema, repr(cfg.path))
         self.description = f"parquet {cfg.path} ({len(self.dataset.files)} files)"
         self.total = _limit_total(self.dataset.count_rows(), cfg.limit)
 
@@ -186,6 +197,7 @@ class ArrowSource(Source):
         self.files = _files(_resolve(cfg.path), ARROW_SUFFIXES, "arrow")
         schema = self._open(self.files[0]).schema
         self._check_columns(schema.names, repr(str(self.files[0])))
+        self._check_column_types(schema, repr(str(self.files[0])))
         self.description = f"arrow {cfg.path} ({len(self.files)} files)"
         total = 0
         for f in self.files:
@@ -342,6 +354,37 @@ class JsonlSource(Source):
                         batch = []
         if batch:
             yield batch
+
+
+_TYPE_HINT = {
+    "number": "numbers or their text",
+    "stop": "a string or a list of strings",
+    "json_schema": "JSON text or a struct",
+    "choice": "a list of strings or its JSON text",
+    "text": "strings",
+}
+
+
+def _type_group(key: str) -> str:
+    if key in ("stop", "json_schema", "choice"):
+        return key
+    return "text" if key in ("regex", "grammar") else "number"
+
+
+def _usable_type(key: str, t: pa.DataType) -> bool:
+    """Whether a column of Arrow type `t` can hold values for sampling `key` (runner/sampling.py parses
+    them per row; this only refuses types no row of which could be used)."""
+    text = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+    if pa.types.is_null(t) or text or pa.types.is_dictionary(t):
+        return True
+    group = _type_group(key)
+    if group == "number":
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
+    if group in ("stop", "choice"):
+        return pa.types.is_list(t) or pa.types.is_large_list(t)
+    if group == "json_schema":
+        return pa.types.is_struct(t) or pa.types.is_map(t)
+    return False
 
 
 def sampling_columns(cfg: WorkloadConfig) -> dict[str, str]:

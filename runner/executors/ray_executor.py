@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config import ConfigError, JobConfig
 from runner.executors.checks import check_resources, connect, describe_cluster
 from runner.executors.shards import Routing, ShardSource, duplicate_indices
-from runner.sinks import readable
+from runner.sinks import STEPS_SCHEMA, conform, generations_schema, readable
 
 log = logging.getLogger("ladle")
 
@@ -128,16 +128,18 @@ def pin_routing(out: Path, routing: Routing) -> None:
     path.write_text(json.dumps(routing.as_dict()))
 
 
-def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool) -> Path | None:
+def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool, schema: pa.Schema) -> Path | None:
     """Concatenate the replicas' Parquet files into `dest`, a row group at a time (through a .tmp and a
-    rename, so a crash mid-merge leaves the previous merged file). None when no replica has the file."""
+    rename, so a crash mid-merge leaves the previous merged file). Every row group is conformed to
+    `schema` (today's columns): a replica not rerun on resume may hold a file an older ladle wrote.
+    None when no replica has the file."""
     files = [(k, pq.ParquetFile(p)) for k, p in sources if p.exists()]
     if not files:
         return None
-    schema = files[0][1].schema_arrow
-    schema = schema.with_metadata({**(schema.metadata or {}), MERGED_KEY: b"executor=ray"})
+    meta = files[0][1].schema_arrow.metadata or {}  # the resolved config the replicas wrote
     if add_replica:
         schema = schema.append(pa.field("replica", pa.int32()))
+    schema = schema.with_metadata({**meta, MERGED_KEY: b"executor=ray"})
     tmp = dest.with_name(dest.name + ".merging")
     with pq.ParquetWriter(tmp, schema) as w:
         for k, pf in files:
@@ -145,7 +147,7 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool)
                 t = pf.read_row_group(rg)
                 if add_replica:
                     t = t.append_column("replica", pa.array([k] * t.num_rows, pa.int32()))
-                w.write_table(t.cast(schema))
+                w.write_table(conform(t, schema).replace_schema_metadata(schema.metadata))
     os.replace(tmp, dest)
     return dest
 
@@ -239,8 +241,10 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
 
     gen_path, steps_path = out / GENERATIONS, out / STEPS
     all_k = range(routing.num_replicas)
-    stream_merge([(k, replica_dir(out, k) / GENERATIONS) for k in all_k], gen_path, add_replica=False)
-    stream_merge([(k, replica_dir(out, k) / STEPS) for k in all_k], steps_path, add_replica=True)
+    stream_merge([(k, replica_dir(out, k) / GENERATIONS) for k in all_k], gen_path, add_replica=False,
+                 schema=generations_schema(job.output.include_prompt))
+    stream_merge([(k, replica_dir(out, k) / STEPS) for k in all_k], steps_path, add_replica=True,
+                 schema=STEPS_SCHEMA)
     files: dict[str, Path] = {"generations": gen_path, "steps": steps_path, "summary": out / SUMMARY}
     replicas = _replica_summaries(out, ks)
     first = replicas[0] if replicas else {}
@@ -255,8 +259,6 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
         **(extra or {}),
     }
     if not gen_path.exists():  # nothing to run (an empty source): an empty file, as executor=local writes
-        from runner.sinks import generations_schema
-
         schema = generations_schema(job.output.include_prompt)
         pq.write_table(schema.with_metadata({**(schema.metadata or {}), MERGED_KEY: b"executor=ray"}).empty_table(),
                        gen_path)

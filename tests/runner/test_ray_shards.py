@@ -134,3 +134,26 @@ def test_more_replicas_than_rows_gives_empty_shares(many_groups):
     routing = Routing(5, 1)
     assert [routing.share_size(k, 3) for k in range(5)] == [1, 1, 1, 0, 0]
     assert _rows(ShardSource(open_source(w), 4, routing)) == []
+
+
+def test_merge_conforms_replicas_written_by_an_older_ladle(tmp_path):
+    """A replica that was not rerun on resume keeps the file an older ladle wrote (no logprob columns,
+    a column since dropped): the merge gives every row the current schema instead of failing."""
+    from runner.executors.ray_executor import stream_merge
+    from runner.sinks import generations_schema
+
+    schema = generations_schema(include_prompt=True)
+    new = pa.Table.from_pylist([{"id": "a", "index": 0, "sample_index": 0, "output_text": "x",
+                                 "logprobs": [-0.5], "top_logprobs": [[]]}], schema=schema)
+    old = pa.table({"id": ["b"], "index": pa.array([1], pa.int64()), "output_text": ["y"], "retired": [1.0]})
+    pq.write_table(new, tmp_path / "r0.parquet")
+    pq.write_table(old, tmp_path / "r1.parquet")
+    dest = stream_merge([(0, tmp_path / "r0.parquet"), (1, tmp_path / "r1.parquet")], tmp_path / "gen.parquet",
+                        add_replica=False, schema=schema)
+    merged = pq.read_table(dest)
+    assert merged.schema.names == schema.names
+    rows = merged.to_pylist()
+    assert [(r["id"], r["index"], r["output_text"]) for r in rows] == [("a", 0, "x"), ("b", 1, "y")]
+    assert rows[0]["logprobs"] == [-0.5] and rows[1]["logprobs"] is None
+    # sample_index of an older file's row is null; it is sample 0
+    assert rows[1]["sample_index"] in (None, 0)

@@ -113,12 +113,12 @@ def test_decimal_columns_are_numbers(tmp_path):
     assert "holds Decimal('2.5'), which must be an integer" in rows["2"]["error"]
 
 
-class FailSampleOne:
-    """Sample 1 of every request fails on its first token (as a step failure after the fork would);
+class FailSample:
+    """Sample `k` of every request fails after its first token (as a step failure after the fork would);
     Ctrl-C arrives during step `interrupt_at` (None: never)."""
 
-    def __init__(self, eng, interrupt_at=None):
-        self.eng, self.interrupt_at, self.steps = eng, interrupt_at, 0
+    def __init__(self, eng, interrupt_at=None, k=1):
+        self.eng, self.interrupt_at, self.steps, self.k = eng, interrupt_at, 0, k
 
     def __getattr__(self, name):
         return getattr(self.eng, name)
@@ -131,26 +131,30 @@ class FailSampleOne:
             raise KeyboardInterrupt
         outs = []
         for o in self.eng.step():
-            if o.sample_index == 1 and o.finish_reason != "error":
-                self.eng.running = [r for r in self.eng.running if not (r.id == o.request_id and r.sample_index == 1)]
+            if o.sample_index == self.k and o.finish_reason != "error":
+                self.eng.running = [r for r in self.eng.running
+                                    if not (r.id == o.request_id and r.sample_index == self.k)]
                 o = dataclasses.replace(o, finished=True, finish_reason="error", error="step failed: boom")
             outs.append(o)
         return outs
 
 
-def test_a_sample_that_failed_after_the_fork_does_not_make_its_siblings_done_on_resume(tmp_path):
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_sample_that_failed_after_the_fork_does_not_make_its_siblings_done_on_resume(tmp_path, k):
     """A sample's error row marked the whole id done: a run interrupted before its siblings finished
-    never wrote them (only a pre-fork error, the one row of all n samples, means that)."""
+    never wrote them. Only a pre-fork error (the one row of all n samples, with no token) means that;
+    sample 0 failing after the fork has drawn its first token, and is that sample's alone."""
     src = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["aa", "bb"]}), src)
     cfg = compose_cfg("workload=parquet", f"workload.path={src}", "sampling.n=3", "sampling.max_tokens=6")
     out = tmp_path / "out"
-    first = run_job(cfg, out, engine=FailSampleOne(FakeEngine(), interrupt_at=4))
-    assert first.interrupted and [(r["sample_index"], r["error"]) for r in rows_of(out)] == \
-        [(1, "step failed: boom")] * 2
+    first = run_job(cfg, out, engine=FailSample(FakeEngine(), interrupt_at=4, k=k))
+    rows = rows_of(out)
+    assert first.interrupted and [(r["sample_index"], r["error"]) for r in rows] == [(k, "step failed: boom")] * 2
+    assert all(r["output_tokens"] >= 1 for r in rows)
     run_job(cfg, out, engine=FakeEngine())
     got = sorted((r["id"], r["sample_index"], r["error"] is None) for r in rows_of(out))
-    assert got == [(i, k, k != 1) for i in ("0", "1") for k in range(3)]
+    assert got == [(i, j, j != k) for i in ("0", "1") for j in range(3)]
 
 
 @pytest.mark.parametrize("override,fragment", [
@@ -177,3 +181,34 @@ def test_a_structured_value_the_engine_refuses_names_its_column(tmp_path):
     rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
     assert rows["0"]["error"] is None
     assert "structured.choice=[''] must hold non-empty strings only (from column 'ch')" in rows["1"]["error"]
+
+
+@pytest.mark.parametrize("col,values,key", [
+    ("temp", pa.array([{"t": 1.0}, {"t": 0.5}]), "temperature"),
+    ("seed", pa.array([True, False]), "seed"),
+    ("stops", pa.array([1, 2]), "stop"),
+    ("schema", pa.array([1.0, 2.0]), "json_schema"),
+])
+def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_model_loads(tmp_path, col, values, key):
+    """Every row was an error row, found only after the model had loaded."""
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", f"+workload.columns={{{key}: {col}}}")
+    with pytest.raises(ConfigError) as e:
+        run_job(cfg, tmp_path / "out", engine=None)
+    assert f"workload column {col!r} (sampling {key})" in str(e.value) and "has type" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("col,values,key", [
+    ("temp", pa.array([1, None], pa.int64()), "temperature"),
+    ("temp", pa.array(["0.5", None]), "temperature"),
+    ("stops", pa.array([["a"], None]), "stop"),
+    ("schema", pa.array([{"type": "object"}, None]), "json_schema"),
+    ("choice", pa.array([["y", "n"], None]), "choice"),
+])
+def test_usable_column_types_are_accepted(tmp_path, col, values, key):
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", f"+workload.columns={{{key}: {col}}}")
+    run_job(cfg, tmp_path / "out", engine=FakeEngine())
+    assert len(rows_of(tmp_path / "out")) == 2
