@@ -85,8 +85,10 @@ class LLMEngine:
             step = config.chunking.step_budget(config.max_num_seqs, self.max_model_len)
             peak = profile_peak_bytes(self.model, step, self.max_model_len, mc.attention_backend)
             if get_backend(self.device, mc.attention_backend) == "triton":  # compile before the first step
+                # The kernels are compiled per cache block size: warm up the one this run's cache has.
+                block = self.max_model_len if config.cache.backend == "contiguous" else config.cache.block_size
                 self.kernel_warmup_s = warm_up_kernels(self.model, self.max_model_len, config.max_num_seqs, step,
-                                                       mc.attention_backend)
+                                                       mc.attention_backend, block_size=block)
             peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size) + prompt_logprob_bytes(
                 arch.vocab_size)
             self.memory_plan, num_blocks = plan_kv_cache(  # against the free memory measured before loading

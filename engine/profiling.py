@@ -18,22 +18,25 @@ BLOCK = 16
 
 @torch.inference_mode()  # inputs made as the model runner makes them (a compiled forward guards on it)
 def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[int],
-                  backend: str = "auto") -> float:
+                  backend: str = "auto", block_size: int = BLOCK, share_blocks: bool = False) -> float:
     """Run one forward where sequence i computes its last query_lens[i] of seq_lens[i] tokens (earlier
     positions are read from the cache, here zeros) and the LM head runs on each sequence's last token.
+    share_blocks: every sequence's table starts at block 0, so the throwaway cache holds the longest
+    sequence only (the values are meaningless anyway; for warm-ups, where only the launches matter).
     Returns the forward's wall seconds (synchronised on CUDA)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     arch = model.arch
     tables, start = [], 0
     for n in seq_lens:
-        blocks = math.ceil(n / BLOCK)
-        tables.append(list(range(start, start + blocks)))
-        start += blocks
-    caches = [torch.zeros(2, start, BLOCK, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+        blocks = math.ceil(n / block_size)
+        first = 0 if share_blocks else start
+        tables.append(list(range(first, first + blocks)))
+        start = max(start, blocks) if share_blocks else start + blocks
+    caches = [torch.zeros(2, start, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
               for _ in range(arch.num_layers)]
     ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, device=device, logits_indices=ends,
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, logits_indices=ends,
                                    backend=backend)
     ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(s - q, s, device=device) for q, s in zip(query_lens, seq_lens)])
@@ -63,7 +66,7 @@ def prefill_shape(num_tokens: int, max_model_len: int) -> list[int]:
 
 
 def warm_up_kernels(model: torch.nn.Module, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    backend: str = "auto") -> float:
+                    backend: str = "auto", block_size: int = BLOCK) -> float:
     """Compile every Triton kernel variant a run can launch, before its first timed step.
 
     Triton compiles a kernel the first time it meets a new specialisation (for the attention kernels:
@@ -71,7 +74,9 @@ def warm_up_kernels(model: torch.nn.Module, max_model_len: int, max_num_seqs: in
     kernels), which costs seconds on a GPU. Without this, those stalls land in the run's first decode,
     first mixed and first split-KV steps. The batches come from kernels.triton_launch.warmup_batches
     (decode-only, one per 2D tile size, split-KV decode-only and mixed) and run as throwaway forwards
-    with their own caches. Returns the wall seconds spent."""
+    with their own caches. block_size: the run's cache block (the kernels are compiled for it; the
+    contiguous backend's is max_model_len); the dummy sequences share their blocks, so the warm-up's
+    cache is one longest sequence. Returns the wall seconds spent."""
     from kernels.triton_launch import warmup_batches
 
     arch = model.arch
@@ -80,5 +85,5 @@ def warm_up_kernels(model: torch.nn.Module, max_model_len: int, max_num_seqs: in
     for query_lens, seq_lens in warmup_batches(arch.num_kv_heads, arch.num_heads // arch.num_kv_heads,
                                                arch.head_dim, dtype, max_model_len, max_num_seqs,
                                                max_num_batched_tokens):
-        dummy_forward(model, query_lens, seq_lens, backend)
+        dummy_forward(model, query_lens, seq_lens, backend, block_size=block_size, share_blocks=True)
     return time.perf_counter() - t0

@@ -544,6 +544,29 @@ def test_warm_up_launches_every_variant_a_run_uses(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.filterwarnings("ignore:model weights are RANDOM")
+@pytest.mark.parametrize("block_size", [32, 600])  # cache.block_size=32; the contiguous backend (max_model_len)
+def test_warm_up_uses_the_run_cache_block_size(block_size, monkeypatch):
+    """The cache block size is a compile-time argument of every attention kernel: a warm-up with blocks
+    of 16 tokens compiled nothing a run with other blocks launches (its first steps stalled on compiles).
+    Its sequences share their blocks, so even the contiguous cache's one block of max_model_len per
+    sequence costs one sequence's KV, not one per dummy sequence."""
+    from engine.profiling import dummy_forward, warm_up_kernels
+
+    model = _tiny_model("qwen3", 1)
+    launches = _record_launches(monkeypatch)
+    warm_up_kernels(model, max_model_len=600, max_num_seqs=8, max_num_batched_tokens=64, backend="triton",
+                    block_size=block_size)
+    warmed = set(launches)
+    launches.clear()
+    for query_lens, seq_lens in [([64], [64]), ([1] * 8, [600, 5, 40, 1, 300, 17, 2, 99]), ([7, 1], [7, 520])]:
+        dummy_forward(model, query_lens, seq_lens, backend="triton", block_size=block_size)
+    used = set(launches)
+    assert any(dict(args)["BLOCK_SIZE"] == block_size for _, args in used)
+    assert used <= warmed, used - warmed
+
+
+@needs_kernels
 @pytest.mark.parametrize("cache_backend,block_size", [("paged", 16), ("paged", 32), ("contiguous", 16)])
 def test_engine_greedy_with_split_kv_equals_reference(tiny_hf_model_dir, cache_backend, block_size, monkeypatch):
     """Whole engine runs (chunked prefills beside decodes, then decode-only steps) with every decode
