@@ -32,19 +32,20 @@ def _expected(q, k, v, cache, meta):
     return attention(q, k, v, cache.clone(), meta, scale=DIM**-0.5)
 
 
-def test_fake_matches_the_real_output():
-    """The fake (what the compiled graph is built for) has the real output's shape, dtype and strides,
-    also for q as the compiled forward passes it: a non-contiguous split of the packed q|k heads."""
+@pytest.mark.parametrize("window,softcap", [(-1, 0.0), (4, 0.0), (-1, 5.0)])  # full, sliding, soft-capped
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_matches_the_real_output(dtype, window, softcap):
+    """The fake (what the compiled graph is built for) has the real output's shape, dtype and strides
+    (GQA: 4 query heads on 2 KV heads), also for q as the compiled forward passes it: a non-contiguous
+    split of the packed q|k heads."""
     q, k, v, cache, meta = _batch([3, 1], [5, 9], seed=0)
-    qk = torch.cat((q, k), dim=1)
-    for dtype in (torch.float32, torch.bfloat16):
-        qs, ks = (x.to(dtype) for x in qk.split([HEADS, KV_HEADS], dim=1))
-        with attention_context(meta, [cache.to(dtype)]):
-            real = attention_op(qs, ks, v.to(dtype), 0, DIM**-0.5, -1, 0.0)
-        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake = torch.ops.ladle.attention(mode.from_tensor(qs), mode.from_tensor(ks), mode.from_tensor(v),
-                                             0, DIM**-0.5, -1, 0.0)
-        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    qs, ks = (x.to(dtype) for x in torch.cat((q, k), dim=1).split([HEADS, KV_HEADS], dim=1))
+    args = (0, DIM**-0.5, window, softcap)
+    with attention_context(meta, [cache.to(dtype)]):
+        real = attention_op(qs, ks, v.to(dtype), *args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.ladle.attention(mode.from_tensor(qs), mode.from_tensor(ks), mode.from_tensor(v), *args)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
 def test_a_forward_that_raises_leaves_no_context():
