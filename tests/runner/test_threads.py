@@ -83,3 +83,16 @@ def test_a_cpu_quota_bounds_the_default(tmp_path, monkeypatch):
     monkeypatch.setattr(threads, "PROC_SELF_CGROUP", proc)
     assert threads.available_cores() == 2
     assert threads.default_threads(load=0.0) == 2
+
+
+def test_more_threads_than_cores_is_warned(caplog):
+    from runner.threads import apply_threads, available_cores
+
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("WARNING", logger="runner.threads"):
+            recorded = apply_threads(available_cores() + 1)
+    finally:
+        torch.set_num_threads(before)
+    assert recorded["threads"] == available_cores() + 1
+    assert "more than the" in caplog.text and f"threads={available_cores() + 1}" in caplog.text
