@@ -562,7 +562,7 @@ def test_warm_up_uses_the_run_cache_block_size(block_size, monkeypatch):
     for query_lens, seq_lens in [([64], [64]), ([1] * 8, [600, 5, 40, 1, 300, 17, 2, 99]), ([7, 1], [7, 520])]:
         dummy_forward(model, query_lens, seq_lens, backend="triton", block_size=block_size)
     used = set(launches)
-    assert any(dict(args)["BLOCK_SIZE"] == block_size for _, args in used)
+    assert any(dict(args).get("BLOCK_SIZE") == block_size for _, args in used)
     assert used <= warmed, used - warmed
 
 
