@@ -44,9 +44,21 @@ def test_address_auto_without_a_cluster_is_a_config_error(tmp_path, monkeypatch)
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(ConfigError, match=r"could not reach a Ray cluster at executor.address='auto': "
-                                          r"Could not find any running Ray instance"):
-        run_job(compose_cfg(*RAY, "executor.address=auto"), tmp_path)
+    # "auto" joins any Ray running on this machine (another test run's local cluster): none is seen here.
+    services = pytest.importorskip("ray._private.services")
+    def no_gcs() -> list:
+        return []
+
+    no_gcs.cache_clear = lambda: None  # Ray's own is an lru_cache
+    monkeypatch.setattr(services, "find_gcs_addresses", no_gcs)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    try:
+        with pytest.raises(ConfigError, match=r"could not reach a Ray cluster at executor.address='auto': "
+                                              r"Could not find any running Ray instance"):
+            run_job(compose_cfg(*RAY, "executor.address=auto"), tmp_path)
+    finally:
+        if ray.is_initialized():  # a failure here must not leave later tests a connection to someone's cluster
+            ray.shutdown()
 
 
 def test_ray_not_installed_says_how_to_install(tmp_path, monkeypatch):
