@@ -413,7 +413,9 @@ class LLMEngine:
                 if r in drawn.logprobs:
                     r.logprobs.append(drawn.logprobs[r][0])
                     r.top_logprobs.append(drawn.logprobs[r][1])
-                outputs.append(self._append_token(r, drawn.tokens[r], now))
+                out = self._append_token(r, drawn.tokens[r], now)
+                if out is not None:
+                    outputs.append(out)
             except Exception as exc:  # noqa: BLE001 - one sample's bad update fails only that sample
                 outputs.append(self._fail_update(r, exc, now, failed))
         return outputs
@@ -439,7 +441,9 @@ class LLMEngine:
             child.metrics = dataclasses.replace(parent.metrics, token_times=[])  # the prefill's, shared history
             self._detok[child] = DetokState.for_prompt(child.num_prompt_tokens)
 
-    def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, now: float) -> RequestOutput | None:
+        """Take the sampled token; the step's output for the request (None for an unfinished
+        final_only request)."""
         if req.grammar is not None:  # a failed compile, or a grammar with nothing left to allow
             ended = self.structured.verdict(req)
             if ended is not None:
@@ -451,7 +455,10 @@ class LLMEngine:
             m.first_token_time = now
         p = req.params
         detok = self._detok[req]
-        new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids)
+        # Text is built as it comes only when someone reads it per step or a stop string must be
+        # found; otherwise the flush at the end decodes the whole output once.
+        streamed = p.output_kind == "delta" or bool(p.stop)
+        new_text = self.detokenizer.step(detok, req.prompt_token_ids, req.output_token_ids) if streamed else ""
         reason = None
         grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
         if grammar_ended or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -475,6 +482,8 @@ class LLMEngine:
             visible -= max(len(x) for x in p.stop) - 1
         emitted = req.num_emitted_chars
         req.num_emitted_chars = max(emitted, visible)
+        if reason is None and p.output_kind == "final_only":
+            return None
         return self._output(req, [token], req.text[emitted : req.num_emitted_chars])
 
     def _end_by_grammar(self, req: Request, reason: str, error: str | None, now: float) -> RequestOutput:
@@ -501,6 +510,8 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        if getattr(req.params, "output_kind", "delta") == "final_only":  # its one output: all of it is new
+            new_ids, new_text = list(req.output_token_ids), req.text[: req.num_emitted_chars]
         with_logprobs = getattr(req.params, "logprobs", None) is not None
         with_prompt_logprobs = getattr(req.params, "prompt_logprobs", None) is not None
         return RequestOutput(
@@ -532,6 +543,9 @@ class LLMEngine:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        # Only finished outputs are returned: no per-step outputs (as vLLM's LLM.generate).
+        plist = [dataclasses.replace(p, output_kind="final_only")
+                 if isinstance(p, SamplingParams) and p.output_kind == "delta" else p for p in plist]
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         pending = set(ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("delta", "final_only")
+
 
 @dataclass
 class StructuredOutputs:            # exactly one field set
@@ -28,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None     # None = off; k >= 0: chosen token's logprob + top-k alternatives
     prompt_logprobs: int | None = None  # None = off; k >= 0: logprob of every prompt token (+ top-k)
     structured: StructuredOutputs | None = None
+    # "delta": an output every step (new tokens and text); "final_only": one output when the request
+    # finishes, and without stop strings no text until then (vLLM's RequestOutputKind; what
+    # LLM.generate and ladle's runner use: the per-step text is work nobody reads).
+    output_kind: str = "delta"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
@@ -71,6 +77,8 @@ class SamplingParams:
             isinstance(x, int) for x in self.stop_token_ids
         ):
             out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        if self.output_kind not in OUTPUT_KINDS:
+            out.append(f"output_kind={self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
         # -- structured output --
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputs):

@@ -155,6 +155,8 @@ def base_params(cfg: Any) -> SamplingParams:
         structured = structured_of(values)
     except BadValue as e:
         raise ValueError(str(e)) from None
+    # The job writes finished requests only: per-step outputs and their text would be work nobody reads.
+    kw["output_kind"] = "final_only"
     return SamplingParams(**kw, structured=structured)
 
 

@@ -54,11 +54,13 @@ def test_columns_override_the_config_defaults_row_by_row(tmp_path):
     eng = FakeEngine()
     run_job(cfg, tmp_path / "out", engine=eng)
     p = eng.params_seen
+    # The job reads finished outputs only: final_only (no per-step outputs or text).
     assert p["0"] == SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop=["x", "y"],
-                                    n=2, logprobs=1, structured=StructuredOutputs(json_schema=SCHEMA))
+                                    n=2, logprobs=1, structured=StructuredOutputs(json_schema=SCHEMA),
+                                    output_kind="final_only")
     # Row 1: nulls keep the defaults; the config's seed is seed + row index.
     assert p["1"] == SamplingParams(max_tokens=4, temperature=0.5, seed=101, prompt_logprobs=0,
-                                    structured=StructuredOutputs(regex="[ab]+"))
+                                    structured=StructuredOutputs(regex="[ab]+"), output_kind="final_only")
     assert p["2"].structured == StructuredOutputs(choice=["yes", "no"]) and p["2"].temperature == 0.0
     rows = rows_of(tmp_path / "out")
     assert sorted((r["id"], r["sample_index"]) for r in rows) == [("0", 0), ("0", 1), ("1", 0), ("2", 0)]
