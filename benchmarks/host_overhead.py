@@ -27,7 +27,7 @@ ARCH = bu.qwen3_architecture(num_hidden_layers=1, hidden_size=64, intermediate_s
                              bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
-def decode_steps(batch: int, context: int, steps: int) -> list:
+def decode_steps(batch: int, context: int, steps: int, output_kind: str = "delta") -> list:
     chunk = 8192
     max_tokens = steps + math.ceil(batch * context / chunk) + 8  # early requests decode while others prefill
     max_len = context + max_tokens + 16
@@ -39,7 +39,7 @@ def decode_steps(batch: int, context: int, steps: int) -> list:
     )
     eng = LLMEngine(cfg)
     gen = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=output_kind)
     for i in range(batch):
         eng.add_request(bu.random_prompt(context, gen, eng.vocab_size), sp, request_id=f"r{i}")
     stats = []
@@ -57,22 +57,24 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--output-kinds", nargs="+", default=["delta", "final_only"],
+                    help="SamplingParams.output_kind to compare (final_only: the runner's and generate()'s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bu.quiet_random_weights()
     print(f"decode step, batch {args.batch}, 1-layer hidden-64 Qwen3, fp32, CPU, {args.threads} thread(s); "
           f"median of {args.steps - 2} steps, ms")
-    print("| context | " + " | ".join(PHASES) + " | step | host phases (all but forward) |")
-    print("|---:|" + "---:|" * (len(PHASES) + 2))
+    print("| context | output_kind | " + " | ".join(PHASES) + " | step | host phases (all but forward) |")
+    print("|---:|---|" + "---:|" * (len(PHASES) + 2))
     for ctx in args.contexts:
-        t0 = time.perf_counter()
-        stats = decode_steps(args.batch, ctx, args.steps)
-        med = {p: statistics.median(s.phase_times.get(p, 0.0) for s in stats) * 1e3 for p in PHASES}
-        step = statistics.median(s.duration for s in stats) * 1e3
-        print(f"| {ctx} | " + " | ".join(f"{med[p]:.2f}" for p in PHASES)
-              + f" | {step:.2f} | {sum(med[p] for p in PHASES if p != 'forward'):.2f} |"
-              + f"  ({time.perf_counter() - t0:.0f} s)")
-
+        for kind in args.output_kinds:  # alternated in one process: the ratio is the number to read
+            t0 = time.perf_counter()
+            stats = decode_steps(args.batch, ctx, args.steps, kind)
+            med = {p: statistics.median(s.phase_times.get(p, 0.0) for s in stats) * 1e3 for p in PHASES}
+            step = statistics.median(s.duration for s in stats) * 1e3
+            print(f"| {ctx} | {kind} | " + " | ".join(f"{med[p]:.2f}" for p in PHASES)
+                  + f" | {step:.2f} | {sum(med[p] for p in PHASES if p != 'forward'):.2f} |"
+                  + f"  ({time.perf_counter() - t0:.0f} s)")
 
 if __name__ == "__main__":
     main()
