@@ -268,7 +268,7 @@ class LLMEngine:
         req.error = (f"request could not be scheduled ({req.num_tokens} tokens, "
                      f"{self.kv.pool.num_free}/{self.kv.num_blocks} KV blocks free)")
         self._finish(req, "error", self.clock.now())
-        return [self._output(req, [], "")]
+        return [self._ended_output(req)]
 
     def _execute(self, sched: SchedulerOutput, phases: dict[str, float]) -> _Drawn:
         """The forward(s) and the sampler: the tokens (and logprobs) drawn for each sampling row."""
@@ -322,7 +322,7 @@ class LLMEngine:
             s.request.error = error
             self._finish(s.request, "error", now)
             failed.append(s.request.request_id)
-            outputs.append(self._output(s.request, [], ""))
+            outputs.append(self._ended_output(s.request))
         self._record(sched, start, now, failed)
         return outputs
 
@@ -395,7 +395,7 @@ class LLMEngine:
         if not req.finished:
             self._finish(req, "error", now)
         failed.append(req.request_id)
-        return self._output(req, [], "")
+        return self._ended_output(req)
 
     def _after_sampling(self, req: Request, drawn: _Drawn, now: float, failed: list[str]) -> list[RequestOutput]:
         """What a request's sampling row turns into: a token, n forked samples, or (scoring) the end.
@@ -465,8 +465,8 @@ class LLMEngine:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is not None:
-            new_text += self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
+        if reason is not None:  # the last text now (stop strings are checked on it); _finish has none left
+            new_text += self.detokenizer.flush(self._detok.pop(req), req.prompt_token_ids, req.output_token_ids)
         req.text += new_text
         if p.stop:
             cut = find_stop(req.text, len(new_text), p.stop)
@@ -487,14 +487,25 @@ class LLMEngine:
         return self._output(req, [token], req.text[emitted : req.num_emitted_chars])
 
     def _end_by_grammar(self, req: Request, reason: str, error: str | None, now: float) -> RequestOutput:
-        """Finish a structured request without a new token; text held back for stop strings is released."""
+        """Finish a structured request without a new token."""
         req.error = error
         self._finish(req, reason, now)
+        return self._ended_output(req)
+
+    def _ended_output(self, req: Request) -> RequestOutput:
+        """The output of a request that ended without a new token (failed, stuck, ended by its
+        grammar): whatever text was held back (stop strings, an incomplete character) is released."""
         emitted = req.num_emitted_chars
         req.num_emitted_chars = len(req.text)
         return self._output(req, [], req.text[emitted:])
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
+        detok = self._detok.get(req)
+        if detok is not None:  # text held back (or, final_only, never decoded) belongs to every ending
+            try:
+                req.text += self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
+            except Exception as exc:  # noqa: BLE001 - the detokenizer is what failed this request
+                log.debug("request %s: final text not flushed: %s", req.request_id, exc)
         req.finish_reason = reason
         req.metrics.finish_time = now
         self.scheduler.finish(req)

@@ -86,3 +86,38 @@ def test_an_unknown_output_kind_is_the_requests_error(tiny_hf_model_dir):
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     [out] = eng.generate(["x"], SamplingParams(output_kind="cumulative"))
     assert out.finish_reason == "error" and "output_kind='cumulative' must be one of delta, final_only" in out.error
+
+
+@pytest.mark.parametrize("kind", ["delta", "final_only"])
+def test_a_grammar_that_ends_without_a_token_keeps_its_text(tiny_hf_model_dir, kind):
+    """With no stop token in the vocabulary the grammar ends the request itself: its text is the
+    decode of its tokens in both kinds."""
+    pytest.importorskip("xgrammar")
+    from engine.sampling_params import StructuredOutputs
+    from engine.structured_output import StructuredOutputManager
+
+    eng = make_engine(tiny_hf_model_dir("qwen3"))
+    eng.eos_token_ids = set()
+    eng.structured = StructuredOutputManager(eng.tokenizer, eng.vocab_size, [])  # no stop token at all
+    p = SamplingParams(max_tokens=32, temperature=0.0, output_kind=kind,
+                       structured=StructuredOutputs(choice=["yes", "no"]))
+    [out] = _run(eng, ["answer:"], [p])
+    final = out[-1]
+    assert final.finished and final.finish_reason == "stop"
+    assert final.text in ("yes", "no") and final.text == eng.tokenizer.decode(final.output_token_ids)
+
+
+@pytest.mark.parametrize("kind", ["delta", "final_only"])
+def test_an_aborted_or_failed_request_reports_the_text_of_its_tokens(tiny_hf_model_dir, monkeypatch, kind):
+    """A failed step ended requests without flushing the detokenizer: text held back (an incomplete
+    UTF-8 sequence; final_only: everything) was lost from the error output."""
+    eng = make_engine(tiny_hf_model_dir("qwen3"))
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind=kind)
+    rid = eng.add_request("hello", p)
+    for _ in range(8):
+        eng.step()
+    req = eng.requests[rid]
+    monkeypatch.setattr(eng.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    [out] = [o for o in eng.step() if o.request_id == rid]
+    assert out.finish_reason == "error" and len(out.output_token_ids) >= 5
+    assert out.text == eng.tokenizer.decode(out.output_token_ids) == req.text
