@@ -473,6 +473,7 @@ class LLMEngine:
             if cut is not None:
                 req.text = req.text[:cut]
                 reason = "stop"
+                self._detok.pop(req, None)  # what it holds back lies past the stop string: not for _finish
         if reason is not None:
             self._finish(req, reason, now)
         # While a stop string could still complete, its possible start is held back, so the

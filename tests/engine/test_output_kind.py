@@ -121,3 +121,19 @@ def test_an_aborted_or_failed_request_reports_the_text_of_its_tokens(tiny_hf_mod
     [out] = [o for o in eng.step() if o.request_id == rid]
     assert out.finish_reason == "error" and len(out.output_token_ids) >= 5
     assert out.text == eng.tokenizer.decode(out.output_token_ids) == req.text
+
+
+@pytest.mark.parametrize("output_kind", ["delta", "final_only"])
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_stop_string_ends_the_text_where_it_starts(tiny_hf_model_dir, monkeypatch, kind, output_kind):
+    """_finish flushed the detokenizer after a stop string's cut: the text held back past the stop
+    string (clean-up pending text, an incomplete character) was appended after the cut."""
+    eng, hf, script = _scripted(tiny_hf_model_dir, monkeypatch, kind)
+    full = hf.decode(script, skip_special_tokens=True)
+    stop = full.split()[2]
+    p = SamplingParams(max_tokens=len(script), temperature=0.0, ignore_eos=True, stop=[stop],
+                       output_kind=output_kind)
+    [outs] = _run(eng, [hf.encode("Hello", add_special_tokens=False)], [p])
+    assert outs[-1].finish_reason == "stop" and outs[-1].text == full[: full.index(stop)]
+    if output_kind == "delta":
+        assert "".join(o.new_text for o in outs) == outs[-1].text
