@@ -380,10 +380,12 @@ def _usable_type(key: str, t: pa.DataType) -> bool:
     group = _type_group(key)
     if group == "number":
         return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
-    if group in ("stop", "choice"):
-        return pa.types.is_list(t) or pa.types.is_large_list(t)
-    if group == "json_schema":
-        return pa.types.is_struct(t) or pa.types.is_map(t)
+    if group in ("stop", "choice"):  # a list of any layout whose items can be strings
+        listed = (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+                  or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+        return listed and _usable_type("regex", t.value_type)
+    if group == "json_schema":  # a struct reads as a mapping (a map as a list of pairs); `true` = any
+        return pa.types.is_struct(t) or pa.types.is_boolean(t)
     return False
 
 

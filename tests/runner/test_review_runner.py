@@ -188,6 +188,10 @@ def test_a_structured_value_the_engine_refuses_names_its_column(tmp_path):
     ("seed", pa.array([True, False]), "seed"),
     ("stops", pa.array([1, 2]), "stop"),
     ("schema", pa.array([1.0, 2.0]), "json_schema"),
+    # let through before: every row failed (a map reads as a list of pairs; stop strings are strings)
+    ("schema", pa.array([[("type", "object")], None], pa.map_(pa.string(), pa.string())), "json_schema"),
+    ("stops", pa.array([[1], [2]], pa.list_(pa.int64())), "stop"),
+    ("choice", pa.array([[1.0], None], pa.large_list(pa.float64())), "choice"),
 ])
 def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_model_loads(tmp_path, col, values, key):
     """Every row was an error row, found only after the model had loaded."""
@@ -205,6 +209,11 @@ def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_mode
     ("stops", pa.array([["a"], None]), "stop"),
     ("schema", pa.array([{"type": "object"}, None]), "json_schema"),
     ("choice", pa.array([["y", "n"], None]), "choice"),
+    # refused before, yet every row parses: fixed-size lists of strings, `true` (the any-schema)
+    ("stops", pa.array([["a", "b"], None], pa.list_(pa.string(), 2)), "stop"),
+    ("choice", pa.array([["y", "n"], None], pa.list_(pa.large_string(), 2)), "choice"),
+    ("stops", pa.array([[], None], pa.list_(pa.null())), "stop"),
+    ("schema", pa.array([True, None]), "json_schema"),
 ])
 def test_usable_column_types_are_accepted(tmp_path, col, values, key):
     src = tmp_path / "p.parquet"
