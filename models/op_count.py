@@ -76,6 +76,12 @@ def ops_per_layer(model, *forward_args) -> dict[str, float]:
 def decode_ops_per_layer(model, context_lens: list[int], block_size: int = 16) -> dict[str, float]:
     """ops_per_layer for a decode batch (one new token per sequence, `context_lens[b]` tokens already
     cached) on scratch caches of the model's dtype and device."""
+    return ops_per_layer(model, *decode_batch(model, context_lens, block_size))
+
+
+def decode_batch(model, context_lens: list[int], block_size: int = 16) -> tuple:
+    """Forward arguments (ids, positions, caches, metadata) of a decode batch: one new token per
+    sequence, `context_lens[b]` tokens already cached, on scratch caches of the model's dtype and device."""
     from kernels import AttentionMetadata
 
     param = next(model.parameters())
@@ -88,7 +94,7 @@ def decode_ops_per_layer(model, context_lens: list[int], block_size: int = 16) -
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, device=param.device)
     ids = torch.arange(3, 3 + len(seq_lens), device=param.device)
     positions = torch.tensor(context_lens, device=param.device)
-    return ops_per_layer(model, ids, positions, caches, meta)
+    return ids, positions, caches, meta
 
 
 def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int = 16) -> dict[str, float]:
@@ -103,18 +109,7 @@ def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int =
 
     from torch._inductor.utils import run_and_get_code
 
-    from kernels import AttentionMetadata
-
-    param = next(model.parameters())
-    a = model.arch
-    per_seq = max(context_lens) // block_size + 1
-    shape = (2, per_seq * len(context_lens) + 1, block_size, a.num_kv_heads, a.head_dim)
-    caches = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(a.num_layers)]
-    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(context_lens))]
-    seq_lens = [n + 1 for n in context_lens]
-    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, device=param.device)
-    ids = torch.arange(3, 3 + len(seq_lens), device=param.device)
-    positions = torch.tensor(context_lens, device=param.device)
+    ids, positions, caches, meta = decode_batch(model, context_lens, block_size)
     torch._dynamo.reset()
     if not model.compiled:
         model.enable_compile()
@@ -130,5 +125,5 @@ def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int =
                 calls["library"] += 1
             elif name.startswith("torch.ops.ladle.attention"):
                 calls["attention"] += 1
-    n = a.num_layers
+    n = model.arch.num_layers
     return {"kernels": sum(calls.values()) / n, **{k: v / n for k, v in calls.items()}}
