@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.sampling_params import SamplingParams
 from runner.arrivals import ArrivalError, ArrivalStreams
 from runner.config import ConfigError, JobConfig, check, engine_config, to_job_config, uses_load
+from runner.prompts import encode_prompt
 from runner.report import format_table, summarize, write_summary
 from runner.sampling import base_params, row_params
 from runner.sinks import (
@@ -47,7 +48,8 @@ from runner.sinks import (
     recover,
     sample_indices,
 )
-from runner.source import Row, Source, duplicate_id_error, encode_prompt, is_duplicate_id_error, open_source
+from runner.sources import Row, Source, open_source
+from runner.sources.rows import duplicate_id_error, is_duplicate_id_error
 
 CALIBRATION = "calibration.json"  # the arrival calibration a run used, reused when it resumes
 log = logging.getLogger("ladle")
@@ -246,7 +248,7 @@ class Job:
         files = {"generations": gen_path, "steps": steps_path, "summary": out / SUMMARY}
         # -- issue 13 (features-io): OpenAI batch output, rebuilt from every row once the run is complete
         if job.workload.kind == "openai_batch" and not interrupted and self._source is None:
-            from runner.openai_batch import BATCH_OUTPUT, write_batch_output
+            from runner.batch_output import BATCH_OUTPUT, write_batch_output
 
             files["batch_output"] = write_batch_output(job.workload, gen_path, out / BATCH_OUTPUT,
                                                        eng.tokenizer, job.model.name)

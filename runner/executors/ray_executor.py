@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError, JobConfig
 from runner.executors.checks import check_resources, connect, describe_cluster
-from runner.executors.shards import Routing, ShardSource, duplicate_indices
+from runner.executors.shards import duplicate_indices
 from runner.sinks import STEPS_SCHEMA, conform, generations_schema, readable
+from runner.sources.shard import Routing, Shard
 
 log = logging.getLogger("ladle")
 
@@ -83,7 +84,7 @@ class Replica:
 
     def _run(self, k: int) -> int:
         from runner.job import Job, make_engine, to_job_config
-        from runner.source import open_source
+        from runner.sources import open_source
         from runner.threads import apply_threads
 
         job = to_job_config(self.cfg)
@@ -94,8 +95,9 @@ class Replica:
         after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
         out = replica_dir(self.out_root, k)
         out.mkdir(parents=True, exist_ok=True)
-        source = ShardSource(open_source(job.workload), k, self.routing, set(self.duplicates.get(k, ())),
-                             job.workload.id_column, after, out / ".crashed")
+        shard = Shard(k, self.routing, set(self.duplicates.get(k, ())), job.workload.id_column, after,
+                      out / ".crashed")
+        source = open_source(job.workload, shard)
         extra = {"replica": k, "cpu_threads": self.threads}
         res = Job(self.cfg, out, engine=self.engine, source=source, extra=extra).run()
         return int(res.summary.get("requests", 0) or 0)
@@ -206,7 +208,7 @@ def run_ray(cfg: DictConfig, out_dir: str | Path, extra: dict[str, Any] | None =
 
     from runner.job import GENERATIONS, STEPS, SUMMARY, RunResult, resume_command, to_job_config
     from runner.report import format_table, summarize, write_summary
-    from runner.source import open_source
+    from runner.sources import open_source
 
     job = to_job_config(cfg)
     ex = job.executor

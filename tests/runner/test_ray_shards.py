@@ -1,6 +1,6 @@
-"""Replica shares (runner/executors/shards.py): the shares of every source are disjoint, together are
-exactly the rows executor=local reads (same index, id, prompt, error), and a replica reads only its
-own Parquet row groups and parses only its own JSONL lines. No Ray needed."""
+"""Replica shares (runner/sources/shard.py, runner/executors/shards.py): the shares of every source are
+disjoint, together are exactly the rows executor=local reads (same index, id, prompt, error), and a
+replica reads only its own Parquet row groups and parses only its own JSONL lines. No Ray needed."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import runner.source as source_mod
+import runner.sources.jsonl as source_mod
 from runner.config import to_job_config
-from runner.executors.shards import Routing, ShardSource, duplicate_indices
-from runner.source import open_source
+from runner.executors.shards import duplicate_indices
+from runner.sources import open_source
+from runner.sources.shard import Routing, Shard
 from tests.runner.conftest import compose_cfg
 
 
@@ -62,7 +63,7 @@ def test_parquet_shares_partition_the_local_rows(many_groups, n, block, limit):
     local = _rows(open_source(w))
     routing = Routing(n, block)
     dups = duplicate_indices(w, routing)
-    shares = [_rows(ShardSource(open_source(w), k, routing, dups.get(k), w.id_column)) for k in range(n)]
+    shares = [_rows(open_source(w, Shard(k, routing, dups.get(k), w.id_column))) for k in range(n)]
     merged = sorted(r for s in shares for r in s)
     # local marks a duplicate id in its job loop; the shard marks it from the driver's id pass
     expect = [(i, rid, p, "duplicate id 'r3' in column 'id'" if i == 37 else e) for i, rid, p, e in local]
@@ -70,7 +71,7 @@ def test_parquet_shares_partition_the_local_rows(many_groups, n, block, limit):
     for k, s in enumerate(shares):
         assert all(routing.owner(i) == k for i, *_ in s)
         assert [i for i, *_ in s] == sorted(i for i, *_ in s)  # source order within a share
-        src = ShardSource(open_source(w), k, routing)
+        src = open_source(w, Shard(k, routing))
         assert src.total == len(s)
 
 
@@ -85,7 +86,7 @@ def test_parquet_replica_reads_only_its_row_groups(many_groups, monkeypatch):
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
     # 22 rows in row groups of 4; blocks of 4 rows over 2 replicas: replica 1 owns groups 1, 3, 5
-    rows = _rows(ShardSource(open_source(w), 1, Routing(2, 4)))
+    rows = _rows(open_source(w, Shard(1, Routing(2, 4))))
     assert read == [1, 3, 5]
     assert [i for i, *_ in rows] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21]
 
@@ -104,7 +105,7 @@ def test_jsonl_replica_parses_only_its_lines_and_keeps_bad_lines_as_errors(tmp_p
     parsed = []
     real = json.loads
     monkeypatch.setattr(source_mod.json, "loads", lambda s, *a, **k: parsed.append(s) or real(s, *a, **k))
-    shares = [_rows(ShardSource(open_source(w), k, routing, dups.get(k), "id")) for k in range(3)]
+    shares = [_rows(open_source(w, Shard(k, routing, dups.get(k), "id"))) for k in range(3)]
     expect = [(i, rid, p, "duplicate id 'x2' in column 'id'" if i == 8 else e) for i, rid, p, e in local]
     assert sorted(r for s in shares for r in s) == expect
     assert any(e and "line 6 is not a JSON object" in e for *_, e in shares[routing.owner(5)])
@@ -125,7 +126,7 @@ def test_other_sources_are_filtered_to_the_share(datasets_dir, kind):
     w = _workload(*over)
     local = _rows(open_source(w))
     routing = Routing(2, 3)
-    shares = [_rows(ShardSource(open_source(w), k, routing)) for k in range(2)]
+    shares = [_rows(open_source(w, Shard(k, routing))) for k in range(2)]
     assert sorted(r for s in shares for r in s) == sorted(local) and all(shares)
 
 
@@ -133,7 +134,7 @@ def test_more_replicas_than_rows_gives_empty_shares(many_groups):
     w = _workload("workload=parquet", f"workload.path={many_groups}", "workload.limit=3")
     routing = Routing(5, 1)
     assert [routing.share_size(k, 3) for k in range(5)] == [1, 1, 1, 0, 0]
-    assert _rows(ShardSource(open_source(w), 4, routing)) == []
+    assert _rows(open_source(w, Shard(4, routing))) == []
 
 
 def test_merge_conforms_replicas_written_by_an_older_ladle(tmp_path):

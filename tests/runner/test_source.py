@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from runner.config import ConfigError, SyntheticConfig, SyntheticGroup, WorkloadConfig
-from runner.source import encode_prompt, open_source
+from runner.prompts import encode_prompt
+from runner.sources import open_source
 from tests.runner.conftest import PROMPTS
 from tests.runner.fake_engine import ByteTokenizer
 

@@ -1,4 +1,4 @@
-"""OpenAI Batch API files: read the input JSONL as a source, write the matching output JSONL.
+"""OpenAI Batch API input files as a source: one request per line, its sampling from the body.
 
 Input, one request per line (https://platform.openai.com/docs/api-reference/batch/request-input):
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
@@ -9,33 +9,23 @@ override the config's `sampling` defaults); fields ladle has no use for (model, 
 stream...) are ignored. A line that cannot run (not JSON, no custom_id, a duplicate custom_id, another
 url, a bad body) becomes an error row and an error line in the output, never a stopped job.
 
-Output (`batch_output.jsonl` in the run directory, the format `vllm run-batch` and OpenAI write), one
-line per input line in input order:
-    {"id": "batch_req_<line>", "custom_id": "r1",
-     "response": {"status_code": 200, "request_id": "req_<line>", "body": <chat.completion | text_completion>},
-     "error": null}
-and for a failed request `"response": {"status_code": 400, "request_id": ..., "body": null}` with
-`"error": {"code": "invalid_request" | "generation_failed", "message": ...}`. The n samples of a request
-are its `choices`. It is rebuilt from generations.parquet at the end of every complete run (written to
-a .tmp, then renamed), so a resumed run's file covers every line.
+The output file is written by runner/batch_output.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from runner.config import WorkloadConfig
-from runner.source import JSONL_SUFFIXES, Row, Source, _files, _limit_total, _resolve
+from runner.sources.base import Source, limit_total
+from runner.sources.jsonl import count_lines, jsonl_files, read_lines
+from runner.sources.rows import Row, batched
+from runner.sources.shard import Shard
 
-BATCH_OUTPUT = "batch_output.jsonl"
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 
@@ -162,39 +152,27 @@ def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
     return line
 
 
-def read_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLine]:
+def parse_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLine]:
     """Every non-blank line of the files, parsed (a line that is not UTF-8 is an error line too)."""
     seen: set[str] = set()
-    n = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            for lineno, raw in enumerate(fh):
-                if not raw.strip():
-                    continue
-                if limit is not None and n >= limit:
-                    return
-                n += 1
-                try:
-                    text = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may start each file
-                except UnicodeDecodeError as e:
-                    yield BatchLine(n, None, error=f"line {n} is not UTF-8 text: {e}")
-                    continue
-                yield parse_line(text, n, seen)
-
-
-def _count_lines(f: Path) -> int:
-    with open(f, "rb") as fh:
-        return sum(1 for t in fh if t.strip())
+    for line in read_lines(files, limit):
+        n = line.index + 1
+        try:
+            text = line.raw.decode("utf-8-sig" if line.lineno == 1 else "utf-8")  # a BOM may start each file
+        except UnicodeDecodeError as e:
+            yield BatchLine(n, None, error=f"line {n} is not UTF-8 text: {e}")
+            continue
+        yield parse_line(text, n, seen)
 
 
 class OpenAIBatchSource(Source):
     """The input JSONL as rows: id = custom_id, prompt = messages | text | token ids, sampling from body."""
 
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None) -> None:
-        super().__init__(cfg, arrival_column)
-        self.files = _files(_resolve(cfg.path), JSONL_SUFFIXES, "openai_batch")
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(cfg, arrival_column, shard)
+        self.files = jsonl_files(cfg)
         self.description = f"openai_batch {cfg.path} ({len(self.files)} files)"
-        self.total = _limit_total(sum(_count_lines(f) for f in self.files), cfg.limit)
+        self.num_rows = limit_total(count_lines(self.files), cfg.limit)
 
     @property
     def value_names(self) -> dict[str, str]:
@@ -202,106 +180,8 @@ class OpenAIBatchSource(Source):
                 "max_tokens": "body.max_tokens / max_completion_tokens", "logprobs": "body.logprobs / top_logprobs",
                 "json_schema": "body.response_format"}
 
-    def batches(self) -> Iterator[list[Row]]:
-        batch: list[Row] = []
-        for index, line in enumerate(read_lines(self.files, self.cfg.limit)):
-            batch.append(Row(index=index, id=line.row_id, prompt=line.prompt, error=line.error,
-                             sampling=line.sampling or None))
-            if len(batch) >= self.cfg.batch_size:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
-
-# ---------------------------------------------------------------------------------------------------------
-# output
-
-
-OUTPUT_COLUMNS = ["id", "sample_index", "prompt_tokens", "output_text", "output_token_ids", "output_tokens",
-                  "finish_reason", "error", "logprobs", "top_logprobs"]
-
-
-def _token(tokenizer: Any, tid: int) -> dict[str, Any]:
-    text = tokenizer.decode([tid])
-    return {"token": text, "bytes": list(text.encode("utf-8"))}
-
-
-def _chat_logprobs(r: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
-    if r.get("logprobs") is None:
-        return None
-    content = []
-    tops = r.get("top_logprobs") or [[] for _ in r["logprobs"]]
-    for tid, lp, top in zip(r["output_token_ids"], r["logprobs"], tops, strict=False):
-        content.append({**_token(tokenizer, tid), "logprob": lp,
-                        "top_logprobs": [{**_token(tokenizer, t["token_id"]), "logprob": t["logprob"]}
-                                         for t in (top or [])]})
-    return {"content": content}
-
-
-def _completion_logprobs(r: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
-    if r.get("logprobs") is None:
-        return None
-    tokens = [tokenizer.decode([t]) for t in r["output_token_ids"]]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    tops = r.get("top_logprobs") or [[] for _ in tokens]
-    return {"tokens": tokens, "token_logprobs": list(r["logprobs"]), "text_offset": offsets,
-            "top_logprobs": [{tokenizer.decode([t["token_id"]]): t["logprob"] for t in (top or [])} for top in tops]}
-
-
-def _body(line: BatchLine, samples: list[dict[str, Any]], model: str, created: int, tokenizer: Any) -> dict:
-    chat = line.url == CHAT_URL
-    choices = []
-    for k, r in enumerate(samples):
-        choice: dict[str, Any] = {"index": k, "finish_reason": r["finish_reason"]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": r["output_text"]}
-            choice["logprobs"] = _chat_logprobs(r, tokenizer)
-        else:
-            choice["text"] = r["output_text"]
-            choice["logprobs"] = _completion_logprobs(r, tokenizer)
-        choices.append(choice)
-    prompt = samples[0]["prompt_tokens"] or 0
-    completion = sum(r["output_tokens"] or 0 for r in samples)
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{line.lineno}", "object": "chat.completion" if chat
-            else "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
-
-
-def _error_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
-    return {"id": f"batch_req_{line.lineno}", "custom_id": line.custom_id,
-            "response": {"status_code": 400, "request_id": f"req_{line.lineno}", "body": None},
-            "error": {"code": code, "message": message}}
-
-
-def write_batch_output(cfg: WorkloadConfig, gen_path: Path, out_path: Path, tokenizer: Any, model: str) -> Path:
-    """The output JSONL for the input file(s) of `cfg`, from generations.parquet, written atomically."""
-    rows: dict[str, list[dict[str, Any]]] = {}
-    pf = pq.ParquetFile(gen_path)
-    for batch in pf.iter_batches(columns=OUTPUT_COLUMNS):
-        for r in batch.to_pylist():
-            rows.setdefault(r["id"], []).append(r)
-    created = int(time.time())
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for line in read_lines(_files(_resolve(cfg.path), JSONL_SUFFIXES, "openai_batch"), cfg.limit):
-            if line.error:
-                out = _error_line(line, "invalid_request", line.error)
-            else:
-                got = {r["sample_index"] or 0: r for r in rows.get(line.row_id, [])}
-                samples = [got[k] for k in sorted(got)]
-                ok = [r for r in samples if r["finish_reason"] != "error"]
-                if not ok:
-                    message = samples[0]["error"] if samples else "no output was written for this request"
-                    out = _error_line(line, "invalid_request" if samples else "generation_failed", message)
-                else:
-                    out = {"id": f"batch_req_{line.lineno}", "custom_id": line.custom_id,
-                           "response": {"status_code": 200, "request_id": f"req_{line.lineno}",
-                                        "body": _body(line, ok, model, created, tokenizer)},
-                           "error": None}
-            fh.write(json.dumps(out, ensure_ascii=False) + "\n")
-    os.replace(tmp, out_path)
-    return out_path
+    def read(self) -> Iterator[list[Row]]:
+        # Every line is parsed, a shard's too: a custom_id is a duplicate of any earlier line's.
+        rows = (Row(index=line.lineno - 1, id=line.row_id, prompt=line.prompt, error=line.error,
+                    sampling=line.sampling or None) for line in parse_lines(self.files, self.cfg.limit))
+        return batched(rows, self.cfg.batch_size)

@@ -1,0 +1,108 @@
+"""Parquet (a file or a directory, through pyarrow.dataset) and Arrow IPC files, memory-mapped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+from runner.config import ConfigError, WorkloadConfig
+from runner.sources.base import Source, find_files, limit_total, resolve_path
+from runner.sources.rows import Row
+from runner.sources.shard import Shard
+
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+
+
+class ParquetSource(Source):
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        import pyarrow.dataset as ds
+
+        super().__init__(cfg, arrival_column, shard)
+        p = resolve_path(cfg.path)
+        try:
+            self.dataset = ds.dataset(str(p), format="parquet")
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ConfigError(f"workload.path={cfg.path!r} is not readable as Parquet: {e}") from None
+        self.check_columns(self.dataset.schema.names, repr(cfg.path))
+        self.check_column_types(self.dataset.schema, repr(cfg.path))
+        self.description = f"parquet {cfg.path} ({len(self.dataset.files)} files)"
+        self.num_rows = limit_total(self.dataset.count_rows(), cfg.limit)
+
+    def read(self) -> Iterator[list[Row]]:
+        if self.shard is not None:
+            return self._shard_rows(self.shard)
+        # use_threads=False keeps the row order (ids default to the row index) and bounds read-ahead.
+        scanner = self.dataset.scanner(columns=self.columns, batch_size=self.cfg.batch_size, use_threads=False)
+        return self.arrow_rows(scanner.to_batches())
+
+    def _shard_rows(self, shard: Shard) -> Iterator[list[Row]]:
+        """Only the row groups holding a row of the shard (row counts come from the footers)."""
+        import pyarrow.parquet as pq
+
+        limit, bs, cols = self.cfg.limit, self.cfg.batch_size, self.columns
+        offset = 0  # global index of the row group's first row, in the order the scanner reads
+        for frag in self.dataset.get_fragments():
+            pf = pq.ParquetFile(frag.path)
+            for rg in range(pf.num_row_groups):
+                n = pf.metadata.row_group(rg).num_rows
+                end = offset + n if limit is None else min(offset + n, limit)
+                if shard.routing.owns_any(shard.k, offset, end):
+                    start = offset
+                    for b in pf.iter_batches(batch_size=bs, row_groups=[rg], columns=cols, use_threads=False):
+                        rows = self.rows_from_columns({c: b.column(c).to_pylist() for c in cols}, start)
+                        start += b.num_rows
+                        yield [r for r in rows if limit is None or r.index < limit]
+                offset += n
+                if limit is not None and offset >= limit:
+                    return
+
+
+class ArrowSource(Source):
+    """Arrow IPC files (random-access "file" format or the "stream" format HF datasets write), memory-mapped."""
+
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(cfg, arrival_column, shard)
+        self.files = find_files(resolve_path(cfg.path), ARROW_SUFFIXES, "arrow")
+        schema = _open(self.files[0]).schema
+        self.check_columns(schema.names, repr(str(self.files[0])))
+        self.check_column_types(schema, repr(str(self.files[0])))
+        self.description = f"arrow {cfg.path} ({len(self.files)} files)"
+        total = 0
+        for f in self.files:
+            total += sum(b.num_rows for b in _iter_file(f))  # zero-copy: only headers are read
+        self.num_rows = limit_total(total, cfg.limit)
+
+    def read(self) -> Iterator[list[Row]]:
+        bs = self.cfg.batch_size
+
+        def sliced() -> Iterator[pa.RecordBatch]:
+            for f in self.files:
+                for b in _iter_file(f):
+                    b = b.select(self.columns)
+                    for off in range(0, b.num_rows, bs):
+                        yield b.slice(off, bs)
+
+        return self.arrow_rows(sliced())
+
+
+def _open(f: Path) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
+    source = pa.memory_map(str(f), "r")
+    try:
+        return pa.ipc.open_file(source)
+    except pa.ArrowInvalid:
+        source.seek(0)
+        try:
+            return pa.ipc.open_stream(source)
+        except pa.ArrowInvalid as e:
+            raise ConfigError(f"{f} is not an Arrow IPC file or stream: {e}") from None
+
+
+def _iter_file(f: Path) -> Iterator[pa.RecordBatch]:
+    reader = _open(f)
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+    else:
+        yield from reader

@@ -1,0 +1,136 @@
+"""The source base: rows in source order, in batches, numbered and limited, a shard's share only.
+
+A kind (one module each) opens and checks its data in `__init__` (before any model loads), sets
+`num_rows` when it is cheap to know, and implements `read()`. The helpers here are for the kinds:
+column batches -> rows (`rows_from_columns`, `numbered`, `arrow_rows`) and finding files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from runner.config import ConfigError, WorkloadConfig
+from runner.sources.columns import check_column_types, check_columns, read_columns, sampling_columns
+from runner.sources.rows import Row, klass
+from runner.sources.shard import Shard
+
+
+class Source:
+    """`batches()` yields lists of rows in source order; `total` is their count when cheap to know."""
+
+    description: str = ""
+
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        self.cfg = cfg
+        self.arrival_column = arrival_column
+        self.shard = shard  # executor=ray: this replica's rows only
+        self.num_rows: int | None = None  # rows of the whole source (workload.limit applied), when known
+        # Set by the job before reading: synthetic rows draw token ids below the vocabulary size and
+        # arrival rates from the calibration (a `load`); `rates` records what those resolved to.
+        self.vocab_size: int | None = None
+        self.calibration: Any = None
+        self.rates: dict[str, float] = {}
+
+    @property
+    def total(self) -> int | None:
+        """How many rows `batches()` yields (the shard's share), when known."""
+        return self.num_rows if self.shard is None else self.shard.size(self.num_rows)
+
+    @property
+    def sampling_columns(self) -> dict[str, str]:
+        """Sampling key -> column (workload.columns, with workload.max_tokens_column as max_tokens)."""
+        return sampling_columns(self.cfg)
+
+    @property
+    def value_names(self) -> dict[str, str]:
+        """Sampling key -> where a row's value comes from, as error messages name it."""
+        return {k: f"column {c!r}" for k, c in self.sampling_columns.items()}
+
+    @property
+    def columns(self) -> list[str]:
+        return read_columns(self.cfg, self.arrival_column)
+
+    def owns(self, index: int) -> bool:
+        """Whether row `index` is this source's to yield (a reader may skip others unread)."""
+        return self.shard is None or self.shard.owns(index)
+
+    def batches(self) -> Iterator[list[Row]]:
+        if self.shard is None:
+            return self.read()
+        return self.shard.take(self.read())
+
+    def read(self) -> Iterator[list[Row]]:
+        """The rows in source order, in batches of about workload.batch_size (the kind's reader)."""
+        raise NotImplementedError
+
+    # -- helpers for the kinds -------------------------------------------------------------------------
+    def check_columns(self, available: list[str], where: str) -> None:
+        check_columns(self.cfg, self.arrival_column, available, where)
+
+    def check_column_types(self, schema: pa.Schema, where: str) -> None:
+        check_column_types(self.cfg, schema, where)
+
+    def rows_from_columns(self, cols: dict[str, list], start: int) -> list[Row]:
+        """Rows from column lists (the columns of `columns`); the first one is row `start`."""
+        c = self.cfg
+        ids = cols.get(c.id_column) if c.id_column else None
+        arr = cols.get(self.arrival_column) if self.arrival_column else None
+        cls = cols.get(c.class_column) if c.class_column else None
+        sampling = {key: cols[col] for key, col in self.sampling_columns.items()}
+        out = []
+        for i in range(len(cols[c.prompt_column])):
+            index = start + i
+            rid = ids[i] if ids is not None else None
+            values = {key: v[i] for key, v in sampling.items()}
+            out.append(Row(index=index, id=str(index) if rid is None else str(rid), prompt=cols[c.prompt_column][i],
+                           max_tokens=values.get("max_tokens"), arrival=arr[i] if arr is not None else None,
+                           klass=None if cls is None else klass(cls[i]), sampling=values or None))
+        return out
+
+    def numbered(self, batches: Iterator[dict[str, list]]) -> Iterator[list[Row]]:
+        """Column batches as rows, numbered from 0 and stopping at workload.limit."""
+        limit = self.cfg.limit
+        start = 0
+        for cols in batches:
+            rows = self.rows_from_columns(cols, start)
+            if limit is not None and start + len(rows) >= limit:
+                rows = rows[: limit - start]
+                if rows:
+                    yield rows
+                return
+            start += len(rows)
+            if rows:
+                yield rows
+
+    def arrow_rows(self, batches: Iterator[pa.RecordBatch | pa.Table]) -> Iterator[list[Row]]:
+        """Arrow record batches (or tables) as rows (see `numbered`)."""
+        cols = self.columns
+        return self.numbered({name: b.column(name).to_pylist() for name in cols} for b in batches)
+
+
+def resolve_path(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"workload.path={path!r} does not exist (relative paths are from {Path.cwd()})")
+    return p
+
+
+def find_files(p: Path, suffixes: tuple[str, ...], kind: str) -> list[Path]:
+    """`p` itself, or the files under it with these suffixes (hidden and `_` ones left out), sorted."""
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes
+                   and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
+    if not files:
+        raise ConfigError(f"workload.path={str(p)!r} has no {'/'.join(suffixes)} files for workload.kind={kind}")
+    return files
+
+
+def limit_total(n: int | None, limit: int | None) -> int | None:
+    if n is None:
+        return limit
+    return n if limit is None else min(n, limit)

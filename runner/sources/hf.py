@@ -1,0 +1,60 @@
+"""HF `datasets`: a `save_to_disk` directory (memory-mapped Arrow) or local data files streamed by
+`load_dataset(..., streaming=True)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from runner.config import ConfigError, WorkloadConfig
+from runner.sources.base import Source, limit_total, resolve_path
+from runner.sources.rows import Row
+from runner.sources.shard import Shard
+
+HF_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "csv",
+               ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+
+
+class HFDatasetSource(Source):
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        import datasets
+
+        super().__init__(cfg, arrival_column, shard)
+        p = resolve_path(cfg.path)
+        self.streaming = not (p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()))
+        if not self.streaming:
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[self._pick_split(list(ds.keys()))]
+            self.num_rows = limit_total(len(ds), cfg.limit)
+            names = list(ds.column_names)
+        else:
+            builder = cfg.hf_builder or (HF_BUILDERS.get(p.suffix.lower()) if p.is_file() else None)
+            try:
+                if builder:
+                    ds = datasets.load_dataset(builder, data_files=str(p), split=cfg.split or "train", streaming=True)
+                else:
+                    ds = datasets.load_dataset(str(p), split=cfg.split or "train", streaming=True)
+            except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+                raise ConfigError(f"workload.path={cfg.path!r} could not be loaded with datasets "
+                                  f"(set workload.hf_builder=json|csv|parquet|text?): {e}") from None
+            names = list(ds.column_names or []) or list(next(iter(ds)).keys())
+        self.check_columns(names, repr(cfg.path))
+        self.dataset = ds.select_columns(self.columns)
+        self.description = f"hf_dataset {cfg.path}" + (" (streaming)" if self.streaming else "")
+
+    def _pick_split(self, splits: list[str]) -> str:
+        if self.cfg.split:
+            if self.cfg.split not in splits:
+                raise ConfigError(f"workload.split={self.cfg.split!r} is not a split of {self.cfg.path!r}: {splits}")
+            return self.cfg.split
+        if "train" in splits or len(splits) != 1:
+            if "train" not in splits:
+                raise ConfigError(f"{self.cfg.path!r} has splits {splits}: choose one with workload.split=")
+            return "train"
+        return splits[0]
+
+    def read(self) -> Iterator[list[Row]]:
+        bs = self.cfg.batch_size
+        if self.streaming:
+            return self.numbered(iter(self.dataset.iter(batch_size=bs)))
+        return self.arrow_rows(self.dataset.with_format("arrow").iter(batch_size=bs))

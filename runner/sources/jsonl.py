@@ -1,0 +1,95 @@
+"""JSON Lines: the one line reader (also under workload=openai_batch), and the jsonl source.
+
+A line is read as bytes and parsed only when its row is wanted (a replica parses only its own lines);
+blank lines are no rows; a line that is not a JSON object becomes that row's error, never a stopped job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.config import WorkloadConfig
+from runner.sources.base import Source, find_files, limit_total, resolve_path
+from runner.sources.rows import Row, batched, klass
+from runner.sources.shard import Shard
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@dataclass(slots=True)
+class Line:
+    index: int  # the row index: non-blank lines before this one, in all files in order
+    path: Path
+    lineno: int  # in its file, from 1
+    raw: bytes  # unparsed, undecoded (a line that is not UTF-8 is that row's error)
+
+
+def read_lines(files: list[Path], limit: int | None = None) -> Iterator[Line]:
+    """Every non-blank line of the files, in order, at most `limit` of them."""
+    index = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                if limit is not None and index >= limit:
+                    return
+                yield Line(index, f, lineno, raw)
+                index += 1
+
+
+def count_lines(files: list[Path]) -> int:
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n += sum(1 for raw in fh if raw.strip())
+    return n
+
+
+def jsonl_files(cfg: WorkloadConfig) -> list[Path]:
+    return find_files(resolve_path(cfg.path), JSONL_SUFFIXES, cfg.kind)
+
+
+class JsonlSource(Source):
+    """One object per line; its keys are the columns."""
+
+    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(cfg, arrival_column, shard)
+        self.files = jsonl_files(cfg)
+        first = self._first_object()
+        if first is not None:
+            self.check_columns(list(first), f"the first line of {self.files[0]}")
+        self.description = f"jsonl {cfg.path} ({len(self.files)} files)"
+        self.num_rows = limit_total(count_lines(self.files), cfg.limit)
+
+    def _first_object(self) -> dict | None:
+        for line in read_lines(self.files, 1):
+            try:
+                obj = json.loads(line.raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return None
+            return obj if isinstance(obj, dict) else None
+        return None
+
+    def read(self) -> Iterator[list[Row]]:
+        lines = read_lines(self.files, self.cfg.limit)
+        return batched((self._row(line) for line in lines if self.owns(line.index)), self.cfg.batch_size)
+
+    def _row(self, line: Line) -> Row:
+        c = self.cfg
+        try:
+            obj = json.loads(line.raw)
+            if not isinstance(obj, dict):
+                raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+        except (ValueError, TypeError) as e:
+            return Row(index=line.index, id=str(line.index), prompt=None,
+                       error=f"{line.path.name} line {line.lineno} is not a JSON object: {e}")
+        rid = obj.get(c.id_column) if c.id_column else None
+        values = {k: obj.get(col) for k, col in self.sampling_columns.items()}
+        return Row(index=line.index, id=str(line.index) if rid is None else str(rid),
+                   prompt=obj.get(c.prompt_column), max_tokens=values.get("max_tokens"),
+                   arrival=obj.get(self.arrival_column) if self.arrival_column else None,
+                   klass=klass(obj.get(c.class_column)) if c.class_column else None, sampling=values or None)
