@@ -23,6 +23,7 @@ from typing import Any
 
 log = logging.getLogger("ladle")
 
+CALIBRATION = "calibration.json"  # a run's own copy (a resumed run replays the arrivals it started with)
 PREFILL_TOKENS = 512
 DECODE_BATCH = 8
 DECODE_CONTEXT = 128

@@ -139,7 +139,7 @@ class OutputConfig:
 
 @dataclass
 class ExecutorConfig:
-    kind: str = "local"  # local (one engine here) | ray (data-parallel replicas, runner/executors/ray_executor.py)
+    kind: str = "local"  # local (one engine here) | ray (data-parallel replicas, runner/executors/ray.py)
     num_replicas: int = 1
     num_gpus_per_replica: float = 0.0
     num_cpus_per_replica: float = 1.0

@@ -25,6 +25,7 @@ from runner.sinks import sample_indices
 
 LATENCIES = ("ttft", "itl", "tpot", "e2e", "queue")
 STATS = ("mean", "p50", "p90", "p99", "max")
+SUMMARY = "summary.json"
 
 
 def distribution(values: np.ndarray) -> dict[str, float | int | None]:

@@ -19,6 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 CONFIG_KEY = b"ladle.config"
+GENERATIONS = "generations.parquet"  # one row per finished request (per sample)
+STEPS = "steps.parquet"  # one row per engine step
 
 # One top-k alternative: (token id, raw logprob); a position's list is best first.
 TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
@@ -46,13 +48,12 @@ GENERATIONS_FIELDS = [
     pa.field("num_cached_tokens", pa.int32()),
     pa.field("class", pa.string()),  # the request class: workload.class_column, or a synthetic row's group
     pa.field("attempt", pa.int32()),  # 0 for the first run into this directory, 1 for the first resume, ...
-    # -- issue 13 (features-io): n samples and logprobs; always present, null when not asked for --
+    # n samples and logprobs: always present, null when not asked for
     pa.field("sample_index", pa.int32()),  # 0..n-1: one row per sample of the row (sampling.n)
     pa.field("logprobs", pa.list_(pa.float32())),  # per generated token: its raw logprob (sampling.logprobs)
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),  # per generated token: top-k, best first
     pa.field("prompt_logprobs", pa.list_(pa.float32())),  # per prompt token: log P(t_i | t_<i); [0] is null
     pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),  # per prompt token; [0] is []
-    # -- end issue 13 --
 ]
 
 STEPS_FIELDS = [

@@ -1,1 +1,3 @@
-"""Executors: where a job's requests run. `local` is runner.job's single engine; `ray` is ray_executor."""
+"""Executors: where a job's requests run, behind one interface (base.py: `Executor.run(cfg, out)`).
+`local` (local.py) is one engine in this process; `ray` (ray.py) runs local jobs on data-parallel
+replicas (replica.py) and merges their files (replica_files.py)."""

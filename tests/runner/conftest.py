@@ -51,7 +51,7 @@ def compose_cfg(*overrides: str) -> DictConfig:
 @pytest.fixture(scope="session")
 def engine():
     """One tiny engine for the tests whose engine config is BASE's (each run leaves it empty)."""
-    from runner.job import make_engine
+    from runner.executors.local import make_engine
 
     return make_engine(to_job_config(compose_cfg()))
 

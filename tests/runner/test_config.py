@@ -93,10 +93,10 @@ def test_missing_source_and_column_fail_before_the_model(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from runner.job import Job
+    from runner.executors.local import Local
 
     with pytest.raises(ConfigError, match="does not exist"):
-        Job(compose_cfg("workload=parquet", f"workload.path={tmp_path}/nope.parquet"), tmp_path).run()
+        Local().run(compose_cfg("workload=parquet", f"workload.path={tmp_path}/nope.parquet"), tmp_path)
     pq.write_table(pa.table({"question": ["a"]}), tmp_path / "q.parquet")
     with pytest.raises(ConfigError, match=r"prompt_column='prompt' is not a column .*question"):
-        Job(compose_cfg("workload=parquet", f"workload.path={tmp_path}/q.parquet"), tmp_path).run()
+        Local().run(compose_cfg("workload=parquet", f"workload.path={tmp_path}/q.parquet"), tmp_path)

@@ -169,7 +169,7 @@ def test_only_config_phase_errors_are_config_errors(monkeypatch):
     """A settings mistake exits 2 as a config error; a failure while loading weights is a real error."""
     import models
     from runner.config import ConfigError
-    from runner.job import make_engine
+    from runner.executors.local import make_engine
     from tests.runner.conftest import compose_cfg
 
     with pytest.raises(ConfigError, match="no-such-dir"):
@@ -191,7 +191,7 @@ def test_resume_command_survives_paths_hydra_would_split(tmp_path, name):
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.job import resume_command
+    from runner.resume import resume_command
 
     out = tmp_path / name
     argv = shlex.split(resume_command(out, ["chunking.size=64", "hydra.run.dir=old"]))

@@ -94,7 +94,7 @@ def test_sweep_answers_name_the_best_runs_and_the_knee():
 
 
 def _engine(*overrides):
-    from runner.job import make_engine
+    from runner.executors.local import make_engine
 
     return make_engine(to_job_config(compose_cfg(*overrides)))
 

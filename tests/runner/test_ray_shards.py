@@ -140,7 +140,7 @@ def test_more_replicas_than_rows_gives_empty_shares(many_groups):
 def test_merge_conforms_replicas_written_by_an_older_ladle(tmp_path):
     """A replica that was not rerun on resume keeps the file an older ladle wrote (no logprob columns,
     a column since dropped): the merge gives every row the current schema instead of failing."""
-    from runner.executors.ray_executor import stream_merge
+    from runner.executors.replica_files import stream_merge
     from runner.sinks import generations_schema
 
     schema = generations_schema(include_prompt=True)

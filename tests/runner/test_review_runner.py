@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from runner.config import ConfigError
-from runner.job import is_done, run_job
+from runner.job import run_job
+from runner.resume import is_done
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 from tests.runner.test_job import InterruptAfter

@@ -16,7 +16,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams, StructuredOutputs
 from runner.config import ConfigError, check, to_job_config
-from runner.job import ERRORED, is_done, run_job, written_samples
+from runner.job import run_job
+from runner.resume import ERRORED, is_done, written_samples
 from runner.sampling import as_int, row_params
 from runner.sinks import TOP_LOGPROB
 from tests.runner.conftest import check_run, compose_cfg

@@ -1,0 +1,147 @@
+"""Resume: what earlier runs into a run directory already wrote, so this run skips it.
+
+Before a run writes, its directory is made consistent (`prepare_run_dir`): a finished-but-unrenamed
+`.tmp` replaces its file, a cut-off one is dropped, and without `output.resume` everything is removed.
+`ResumeState.read` then reads generations.parquet back: per id, the samples already written, as a bit
+mask (bit k: sample k; one int per id, as compact as the set of ids it replaces), and the (id, index)
+of a repeated id's error rows. The request reader skips what is done and the samples already written.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.compute as pc
+from omegaconf import OmegaConf
+
+from runner.calibration import CALIBRATION
+from runner.config import OutputConfig
+from runner.sinks import (
+    GENERATIONS,
+    STEPS,
+    previous_attempts,
+    previous_batches,
+    read_config_yaml,
+    recover,
+    sample_indices,
+)
+from runner.sources.rows import is_duplicate_id_error
+
+log = logging.getLogger("ladle")
+
+# An id whose only row is an error at sample 0 with no token failed before its prompt forked into
+# samples: that row stands for all n, so the id is done whatever the row's n.
+ERRORED = -1
+
+
+def is_done(written: int | None, n: int) -> bool:
+    """Whether a row whose previous runs wrote these samples (bit mask) needs no more samples."""
+    if written is None or written == ERRORED:
+        return written is not None
+    if n > written.bit_length():  # a sample index this high was never written (and no huge mask is built)
+        return False
+    full = (1 << n) - 1
+    return written & full == full
+
+
+def written_samples(written: int | None) -> frozenset[int]:
+    if not written or written == ERRORED:
+        return frozenset()
+    return frozenset(k for k in range(written.bit_length()) if written >> k & 1)
+
+
+@dataclass(slots=True)
+class ResumeState:
+    """What the previous runs into the directory wrote (empty for a fresh run)."""
+
+    done: dict[str, int] = field(default_factory=dict)  # id -> samples written (bit mask), or ERRORED
+    repeats: set[tuple[str, int]] = field(default_factory=set)  # (id, index) of a repeat's error row
+    attempt: int = 0  # this run's number: 0 for the first run into the directory
+
+    def row_done(self, rid: str, index: int, n: int, repeat: bool) -> bool:
+        """Whether a row needs nothing more: a repeat when its error row was written, any other row when
+        all n of its samples were (the id's samples are its first row's)."""
+        return (rid, index) in self.repeats if repeat else is_done(self.done.get(rid), n)
+
+    def written(self, rid: str, repeat: bool) -> frozenset[int]:
+        """The sample indices of a row that a previous run already wrote."""
+        return frozenset() if repeat else written_samples(self.done.get(rid))
+
+    @classmethod
+    def read(cls, gen_path: Path, steps_path: Path, output: OutputConfig) -> ResumeState:
+        """An error row's sample counts as written; an id whose only row is an error at sample 0 with no
+        token is ERRORED. Any other error row is that sample's alone."""
+        state = cls(attempt=max(previous_attempts(gen_path), previous_attempts(steps_path)))
+        if not output.resume:
+            return state
+        failed_early: set[str] = set()  # ids with an error row at sample 0 that drew no token
+        for t in previous_batches(gen_path, True, output.retry_errors):
+            errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
+            messages = t.column("error").to_pylist()
+            indices = t.column("index").to_pylist() if "index" in t.schema.names else [None] * t.num_rows
+            # A pre-fork failure drew no token; a sample failing after the fork had drawn its first.
+            drew = (pc.fill_null(t.column("output_tokens"), 0).to_pylist() if "output_tokens" in t.schema.names
+                    else [0] * t.num_rows)
+            for rid, k, err, msg, i, n_out in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
+                                                  indices, drew, strict=True):
+                if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own
+                    state.repeats.add((rid, i))
+                else:
+                    state.done[rid] = state.done.get(rid, 0) | (1 << k)
+                    if err and k == 0 and n_out == 0:
+                        failed_early.add(rid)
+        for rid in failed_early:
+            if state.done[rid] == 1:
+                state.done[rid] = ERRORED
+        return state
+
+
+def prepare_run_dir(out: Path, output: OutputConfig, config_yaml: str) -> ResumeState:
+    """Make the run directory's files the latest complete ones (or remove them when not resuming) and
+    read what they hold."""
+    gen_path, steps_path = out / GENERATIONS, out / STEPS
+    for p in (gen_path, steps_path):
+        recover(p)
+        if not output.resume and p.exists():
+            p.unlink()
+    if not output.resume:
+        (out / CALIBRATION).unlink(missing_ok=True)
+    else:
+        _warn_if_config_changed(out, config_yaml)
+    state = ResumeState.read(gen_path, steps_path, output)
+    if state.done:
+        log.info("resuming into %s: %d requests already done, attempt %d", out, len(state.done), state.attempt)
+    return state
+
+
+def _warn_if_config_changed(out: Path, config_yaml: str) -> None:
+    """Resuming with another model, sampling or dataset mixes rows of two experiments: say so."""
+    previous = read_config_yaml(out / GENERATIONS)
+    if not previous:
+        return
+    old, new = OmegaConf.create(previous), OmegaConf.create(config_yaml)
+    for c in (old, new):
+        for key in ("limit", "batch_size"):  # changing how much is read is what resuming is for
+            c.workload.pop(key, None)
+    changed = [k for k in ("model", "sampling", "workload") if old.get(k) != new.get(k)]
+    if changed:
+        log.warning("resuming into %s, whose rows were made with a different %s config; "
+                    "use a new hydra.run.dir (or output.resume=false) to start over", out, "/".join(changed))
+
+
+def resume_command(out_dir: Path, overrides: list[str]) -> str:
+    """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
+    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"])
+
+
+def hydra_quoted(value: str) -> str:
+    """A string as a quoted Hydra override value: `=`, `,`, brackets and spaces in a path stay literal.
+    Inside Hydra's quotes a backslash escapes the quote and the backslashes right before it."""
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
+    return f"'{escaped}'"

@@ -1,0 +1,70 @@
+"""The run's two output files while it runs: generations.parquet and steps.parquet.
+
+Both are opened together, start with a copy of the previous runs' rows (resume), take this run's rows
+tagged with its attempt number, and are closed together in a `finally`: an interrupted run leaves
+readable files. Until the previous rows are copied, the old files are the only complete ones, so a
+run stopped before that leaves them as they were.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runner.config import OutputConfig
+from runner.sinks import (
+    CONFIG_KEY,
+    GENERATIONS,
+    STEPS,
+    STEPS_SCHEMA,
+    ParquetSink,
+    generations_schema,
+    previous_batches,
+)
+
+
+class RunWriter:
+    def __init__(self, out: Path, output: OutputConfig, config_yaml: str, attempt: int) -> None:
+        self.attempt = attempt
+        self.retry_errors = output.retry_errors
+        meta = {CONFIG_KEY: config_yaml.encode()}  # the resolved config, in each file's schema metadata
+        schema = generations_schema(output.include_prompt)
+        self.gen = ParquetSink(out / GENERATIONS, schema, output.row_group_size, meta)
+        try:
+            self.steps = ParquetSink(out / STEPS, STEPS_SCHEMA, output.steps_row_group_size, meta)
+        except BaseException:
+            self.gen.close()
+            raise
+        self.copied = False
+        self.rows_before = 0  # generations rows the previous runs left
+
+    def copy_previous(self) -> None:
+        """Start each file with the previous runs' rows (unique; errored ones dropped with retry_errors)."""
+        for t in previous_batches(self.gen.path, True, self.retry_errors):
+            self.gen.write_table(t)
+        for t in previous_batches(self.steps.path, False):
+            self.steps.write_table(t)
+        self.copied = True
+        self.rows_before = self.gen.rows_written
+
+    def generation(self, row: dict[str, Any]) -> None:
+        self.gen.write({**row, "attempt": self.attempt})
+
+    def step(self, row: dict[str, Any]) -> None:
+        self.steps.write({**row, "attempt": self.attempt})
+
+    def close(self) -> None:
+        for sink in (self.gen, self.steps):
+            if self.copied:
+                sink.close()
+            else:
+                sink.abort()
+
+    @property
+    def rows_total(self) -> int:
+        """Generations rows in the file (read after close: every buffered row is on disk then)."""
+        return self.gen.rows_written if self.copied else 0
+
+    @property
+    def rows_this_run(self) -> int:
+        return self.gen.rows_written - self.rows_before if self.copied else 0
