@@ -49,3 +49,71 @@ def test_ruff_is_clean():
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     proc = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+PACKAGES = ("runner", "engine", "models", "kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports, anywhere in the file (inside functions too).
+    `from a import b` is an edge to the module a.b when b is one, else to a; a parent package is not an
+    edge of its own (Python runs a package's __init__ first, but it may import its submodules)."""
+    files = {module_name(f): f for p in PACKAGES for f in sorted((ROOT / p).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                for a in node.names:
+                    target = f"{base}.{a.name}"
+                    edges.add(target if target in files else base)
+        edges &= files.keys() - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, white/grey/black)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    assert "runner.executors.local" in graph["runner.job"]
+    assert "engine" in graph["runner.executors.local"]  # `from engine import LLMEngine` inside a function
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
