@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,79 +67,95 @@ GEN_COLUMNS = ["id", "prompt_tokens", "output_tokens", "finish_reason", "arrival
                "num_cached_tokens", "attempt", "sample_index"]
 
 
-def summarize(gen_path: Path, steps_path: Path | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Summary dict of a run directory's generations.parquet (+ steps.parquet); `extra` is merged in."""
-    pf = pq.ParquetFile(gen_path)
-    columns = [c for c in GEN_COLUMNS if c in pf.schema_arrow.names]  # sample_index: files from before it
-    itl, ttft, tpot, e2e, queue = [], [], [], [], []
-    reasons: dict[str, int] = {}
-    spans: dict[int, list[float]] = {}
-    n = samples = errors = completed = prompt_tokens = output_tokens = cached = 0
-    preemptions = preempted_requests = 0
-    for batch in pf.iter_batches(batch_size=8192, columns=columns):
-        t = pa.Table.from_batches([batch])
+@dataclass(slots=True)
+class _Tally:
+    """Running totals over generations batches (a run never has to fit in memory)."""
+
+    requests: int = 0  # rows of the dataset: sample 0's rows
+    samples: int = 0  # generations rows
+    errors: int = 0
+    completed: int = 0  # requests whose sample 0 did not error
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached: int = 0
+    preemptions: int = 0
+    preempted_requests: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    spans: dict[int, list[float]] = field(default_factory=dict)  # attempt -> [first arrival, last finish]
+    latencies: dict[str, list[np.ndarray]] = field(default_factory=lambda: {k: [] for k in LATENCIES})
+
+    def add(self, t: pa.Table) -> None:
         # n samples of a row are n rows; the row's request (its prompt, prefilled once) is sample 0's.
         first = pa.array([k == 0 for k in sample_indices(t)], pa.bool_())
-        samples += t.num_rows
-        n += pc.sum(first.cast(pa.int64())).as_py() or 0
+        self.samples += t.num_rows
+        self.requests += pc.sum(first.cast(pa.int64())).as_py() or 0
         fr = pc.fill_null(t.column("finish_reason"), "unknown").to_pylist()
         for r in fr:
-            reasons[r] = reasons.get(r, 0) + 1
+            self.reasons[r] = self.reasons.get(r, 0) + 1
         ok = pa.array([r != "error" for r in fr], pa.bool_())
-        errors += t.num_rows - pc.sum(ok.cast(pa.int64())).as_py() if t.num_rows else 0
+        self.errors += t.num_rows - pc.sum(ok.cast(pa.int64())).as_py() if t.num_rows else 0
         good = t.filter(ok)
         good_first = t.filter(pc.and_(ok, first))
-        completed += good_first.num_rows
-        prompt_tokens += pc.sum(good_first.column("prompt_tokens")).as_py() or 0
-        output_tokens += pc.sum(good.column("output_tokens")).as_py() or 0
-        cached += pc.sum(good_first.column("num_cached_tokens")).as_py() or 0
+        self.completed += good_first.num_rows
+        self.prompt_tokens += pc.sum(good_first.column("prompt_tokens")).as_py() or 0
+        self.output_tokens += pc.sum(good.column("output_tokens")).as_py() or 0
+        self.cached += pc.sum(good_first.column("num_cached_tokens")).as_py() or 0
         pre = pc.fill_null(good.column("num_preemptions"), 0)
-        preemptions += pc.sum(pre).as_py() or 0
-        preempted_requests += pc.sum(pc.greater(pre, 0).cast(pa.int64())).as_py() or 0
-        ttft.append(_floats(good, "ttft_s"))
-        tpot.append(_floats(good, "tpot_s"))
-        e2e.append(_floats(good, "e2e_s"))
-        queue.append(_floats(good, "first_scheduled_s") - _floats(good, "arrival_s"))
-        itl.append(itl_gaps(good.column("token_times_s")))
+        self.preemptions += pc.sum(pre).as_py() or 0
+        self.preempted_requests += pc.sum(pc.greater(pre, 0).cast(pa.int64())).as_py() or 0
+        lat = self.latencies
+        lat["ttft"].append(_floats(good, "ttft_s"))
+        lat["tpot"].append(_floats(good, "tpot_s"))
+        lat["e2e"].append(_floats(good, "e2e_s"))
+        lat["queue"].append(_floats(good, "first_scheduled_s") - _floats(good, "arrival_s"))
+        lat["itl"].append(itl_gaps(good.column("token_times_s")))
+        self._add_spans(t)
+
+    def _add_spans(self, t: pa.Table) -> None:
         attempts = t.column("attempt").to_numpy(zero_copy_only=False)
         arrival, finish = _floats(t, "arrival_s"), _floats(t, "finish_s")
         for a in np.unique(attempts):
             m = attempts == a
             lo, hi = np.nanmin(arrival[m], initial=math.inf), np.nanmax(finish[m], initial=-math.inf)
-            s = spans.setdefault(int(a), [math.inf, -math.inf])
+            s = self.spans.setdefault(int(a), [math.inf, -math.inf])
             s[0], s[1] = min(s[0], lo), max(s[1], hi)
-    duration = sum(max(0.0, hi - lo) for lo, hi in spans.values() if hi >= lo)
-    ok_requests = completed
 
-    def rate(x: float) -> float | None:
-        return x / duration if duration > 0 else None
+    def summary(self) -> dict[str, Any]:
+        duration = sum(max(0.0, hi - lo) for lo, hi in self.spans.values() if hi >= lo)
 
-    summary: dict[str, Any] = {
-        "requests": n,  # rows of the dataset (with sampling.n > 1, each has n sample rows)
-        "samples": samples,  # generations rows
-        "completed": ok_requests,
-        "errors": errors,  # error rows
-        "finish_reasons": dict(sorted(reasons.items())),
-        "attempts": len(spans),
-        "duration_s": duration,
-        "throughput": {
-            "requests_per_s": rate(ok_requests),
-            "input_tokens_per_s": rate(prompt_tokens),
-            "output_tokens_per_s": rate(output_tokens),
-            "total_tokens_per_s": rate(prompt_tokens + output_tokens),
-        },
-        "tokens": {"prompt": prompt_tokens, "output": output_tokens, "cached_prompt": cached},
-        "prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else None,
-        "latency_s": {
-            "ttft": distribution(np.concatenate(ttft) if ttft else np.zeros(0)),
-            "itl": distribution(np.concatenate(itl) if itl else np.zeros(0)),
-            "tpot": distribution(np.concatenate(tpot) if tpot else np.zeros(0)),
-            "e2e": distribution(np.concatenate(e2e) if e2e else np.zeros(0)),
-            "queue": distribution(np.concatenate(queue) if queue else np.zeros(0)),
-        },
-        "preemptions": preemptions,
-        "preempted_requests": preempted_requests,
-    }
+        def rate(x: float) -> float | None:
+            return x / duration if duration > 0 else None
+
+        return {
+            "requests": self.requests,  # rows of the dataset (with sampling.n > 1, each has n sample rows)
+            "samples": self.samples,  # generations rows
+            "completed": self.completed,
+            "errors": self.errors,  # error rows
+            "finish_reasons": dict(sorted(self.reasons.items())),
+            "attempts": len(self.spans),
+            "duration_s": duration,
+            "throughput": {
+                "requests_per_s": rate(self.completed),
+                "input_tokens_per_s": rate(self.prompt_tokens),
+                "output_tokens_per_s": rate(self.output_tokens),
+                "total_tokens_per_s": rate(self.prompt_tokens + self.output_tokens),
+            },
+            "tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens, "cached_prompt": self.cached},
+            "prefix_cache_hit_rate": self.cached / self.prompt_tokens if self.prompt_tokens else None,
+            "latency_s": {k: distribution(np.concatenate(v) if v else np.zeros(0)) for k, v in self.latencies.items()},
+            "preemptions": self.preemptions,
+            "preempted_requests": self.preempted_requests,
+        }
+
+
+def summarize(gen_path: Path, steps_path: Path | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summary dict of a run directory's generations.parquet (+ steps.parquet); `extra` is merged in."""
+    pf = pq.ParquetFile(gen_path)
+    columns = [c for c in GEN_COLUMNS if c in pf.schema_arrow.names]  # sample_index: files from before it
+    tally = _Tally()
+    for batch in pf.iter_batches(batch_size=8192, columns=columns):
+        tally.add(pa.Table.from_batches([batch]))
+    summary = tally.summary()
     if steps_path is not None and Path(steps_path).exists():
         st = summary["steps"] = _steps_summary(Path(steps_path))
         # The engine's capacity: tokens computed per second of step time, idle gaps between arrivals
