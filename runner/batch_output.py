@@ -86,8 +86,8 @@ def _error_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
             "error": {"code": code, "message": message}}
 
 
-def write_batch_output(cfg: WorkloadConfig, gen_path: Path, out_path: Path, tokenizer: Any, model: str) -> Path:
-    """The output JSONL for the input file(s) of `cfg`, from generations.parquet, written atomically."""
+def write_batch_output(workload: WorkloadConfig, gen_path: Path, out_path: Path, tokenizer: Any, model: str) -> Path:
+    """The output JSONL for the input file(s) of `workload`, from generations.parquet, written atomically."""
     rows: dict[str, list[dict[str, Any]]] = {}
     pf = pq.ParquetFile(gen_path)
     for batch in pf.iter_batches(columns=OUTPUT_COLUMNS):
@@ -96,7 +96,7 @@ def write_batch_output(cfg: WorkloadConfig, gen_path: Path, out_path: Path, toke
     created = int(time.time())
     tmp = out_path.with_name(out_path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        for line in parse_lines(jsonl_files(cfg), cfg.limit):
+        for line in parse_lines(jsonl_files(workload), workload.limit):
             if line.error:
                 out = _error_line(line, "invalid_request", line.error)
             else:

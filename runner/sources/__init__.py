@@ -32,8 +32,8 @@ SOURCES: dict[str, type[Source]] = {
 __all__ = ["SOURCES", "Row", "Shard", "Source", "open_source"]
 
 
-def open_source(cfg: WorkloadConfig, shard: Shard | None = None) -> Source:
+def open_source(workload: WorkloadConfig, shard: Shard | None = None) -> Source:
     """Open (and check the columns of) the workload's source, before any model is loaded; with a shard,
     the source yields only that replica's rows."""
-    arrival_column = cfg.arrivals.column if cfg.arrivals.process == "trace" else None
-    return SOURCES[cfg.kind](cfg, arrival_column, shard)
+    arrival_column = workload.arrivals.column if workload.arrivals.process == "trace" else None
+    return SOURCES[workload.kind](workload, arrival_column, shard)

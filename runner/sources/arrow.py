@@ -16,32 +16,32 @@ ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 
 class ParquetSource(Source):
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
         import pyarrow.dataset as ds
 
-        super().__init__(cfg, arrival_column, shard)
-        p = resolve_path(cfg.path)
+        super().__init__(workload, arrival_column, shard)
+        p = resolve_path(workload.path)
         try:
             self.dataset = ds.dataset(str(p), format="parquet")
         except (pa.ArrowInvalid, OSError) as e:
-            raise ConfigError(f"workload.path={cfg.path!r} is not readable as Parquet: {e}") from None
-        self.check_columns(self.dataset.schema.names, repr(cfg.path))
-        self.check_column_types(self.dataset.schema, repr(cfg.path))
-        self.description = f"parquet {cfg.path} ({len(self.dataset.files)} files)"
-        self.num_rows = limit_total(self.dataset.count_rows(), cfg.limit)
+            raise ConfigError(f"workload.path={workload.path!r} is not readable as Parquet: {e}") from None
+        self.check_columns(self.dataset.schema.names, repr(workload.path))
+        self.check_column_types(self.dataset.schema, repr(workload.path))
+        self.description = f"parquet {workload.path} ({len(self.dataset.files)} files)"
+        self.num_rows = limit_total(self.dataset.count_rows(), workload.limit)
 
     def read(self) -> Iterator[list[Row]]:
         if self.shard is not None:
             return self._shard_rows(self.shard)
         # use_threads=False keeps the row order (ids default to the row index) and bounds read-ahead.
-        scanner = self.dataset.scanner(columns=self.columns, batch_size=self.cfg.batch_size, use_threads=False)
+        scanner = self.dataset.scanner(columns=self.columns, batch_size=self.workload.batch_size, use_threads=False)
         return self.arrow_rows(scanner.to_batches())
 
     def _shard_rows(self, shard: Shard) -> Iterator[list[Row]]:
         """Only the row groups holding a row of the shard (row counts come from the footers)."""
         import pyarrow.parquet as pq
 
-        limit, bs, cols = self.cfg.limit, self.cfg.batch_size, self.columns
+        limit, bs, cols = self.workload.limit, self.workload.batch_size, self.columns
         offset = 0  # global index of the row group's first row, in the order the scanner reads
         for frag in self.dataset.get_fragments():
             pf = pq.ParquetFile(frag.path)
@@ -62,20 +62,20 @@ class ParquetSource(Source):
 class ArrowSource(Source):
     """Arrow IPC files (random-access "file" format or the "stream" format HF datasets write), memory-mapped."""
 
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
-        super().__init__(cfg, arrival_column, shard)
-        self.files = find_files(resolve_path(cfg.path), ARROW_SUFFIXES, "arrow")
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(workload, arrival_column, shard)
+        self.files = find_files(resolve_path(workload.path), ARROW_SUFFIXES, "arrow")
         schema = _open(self.files[0]).schema
         self.check_columns(schema.names, repr(str(self.files[0])))
         self.check_column_types(schema, repr(str(self.files[0])))
-        self.description = f"arrow {cfg.path} ({len(self.files)} files)"
+        self.description = f"arrow {workload.path} ({len(self.files)} files)"
         total = 0
         for f in self.files:
             total += sum(b.num_rows for b in _iter_file(f))  # zero-copy: only headers are read
-        self.num_rows = limit_total(total, cfg.limit)
+        self.num_rows = limit_total(total, workload.limit)
 
     def read(self) -> Iterator[list[Row]]:
-        bs = self.cfg.batch_size
+        bs = self.workload.batch_size
 
         def sliced() -> Iterator[pa.RecordBatch]:
             for f in self.files:

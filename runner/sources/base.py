@@ -24,8 +24,8 @@ class Source:
 
     description: str = ""
 
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        self.workload = workload
         self.arrival_column = arrival_column
         self.shard = shard  # executor=ray: this replica's rows only
         self.num_rows: int | None = None  # rows of the whole source (workload.limit applied), when known
@@ -43,7 +43,7 @@ class Source:
     @property
     def sampling_columns(self) -> dict[str, str]:
         """Sampling key -> column (workload.columns, with workload.max_tokens_column as max_tokens)."""
-        return sampling_columns(self.cfg)
+        return sampling_columns(self.workload)
 
     @property
     def value_names(self) -> dict[str, str]:
@@ -52,7 +52,7 @@ class Source:
 
     @property
     def columns(self) -> list[str]:
-        return read_columns(self.cfg, self.arrival_column)
+        return read_columns(self.workload, self.arrival_column)
 
     def owns(self, index: int) -> bool:
         """Whether row `index` is this source's to yield (a reader may skip others unread)."""
@@ -69,14 +69,14 @@ class Source:
 
     # -- helpers for the kinds -------------------------------------------------------------------------
     def check_columns(self, available: list[str], where: str) -> None:
-        check_columns(self.cfg, self.arrival_column, available, where)
+        check_columns(self.workload, self.arrival_column, available, where)
 
     def check_column_types(self, schema: pa.Schema, where: str) -> None:
-        check_column_types(self.cfg, schema, where)
+        check_column_types(self.workload, schema, where)
 
     def rows_from_columns(self, cols: dict[str, list], start: int) -> list[Row]:
         """Rows from column lists (the columns of `columns`); the first one is row `start`."""
-        c = self.cfg
+        c = self.workload
         ids = cols.get(c.id_column) if c.id_column else None
         arr = cols.get(self.arrival_column) if self.arrival_column else None
         cls = cols.get(c.class_column) if c.class_column else None
@@ -93,7 +93,7 @@ class Source:
 
     def numbered(self, batches: Iterator[dict[str, list]]) -> Iterator[list[Row]]:
         """Column batches as rows, numbered from 0 and stopping at workload.limit."""
-        limit = self.cfg.limit
+        limit = self.workload.limit
         start = 0
         for cols in batches:
             rows = self.rows_from_columns(cols, start)

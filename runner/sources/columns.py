@@ -20,34 +20,35 @@ _TYPE_HINT = {
 }
 
 
-def sampling_columns(cfg: WorkloadConfig) -> dict[str, str]:
+def sampling_columns(workload: WorkloadConfig) -> dict[str, str]:
     """Sampling key -> the column holding each row's value (workload.columns + max_tokens_column)."""
-    cols = dict(cfg.columns)
-    if cfg.max_tokens_column:
-        cols.setdefault("max_tokens", cfg.max_tokens_column)
+    cols = dict(workload.columns)
+    if workload.max_tokens_column:
+        cols.setdefault("max_tokens", workload.max_tokens_column)
     return cols
 
 
-def read_columns(cfg: WorkloadConfig, arrival_column: str | None) -> list[str]:
+def read_columns(workload: WorkloadConfig, arrival_column: str | None) -> list[str]:
     """Every column a row is made from, once each, in a fixed order."""
-    cols = [cfg.prompt_column, cfg.id_column, arrival_column, cfg.class_column, *sampling_columns(cfg).values()]
+    w = workload
+    cols = [w.prompt_column, w.id_column, arrival_column, w.class_column, *sampling_columns(w).values()]
     return list(dict.fromkeys(x for x in cols if x))
 
 
-def check_columns(cfg: WorkloadConfig, arrival_column: str | None, available: list[str], where: str) -> None:
+def check_columns(workload: WorkloadConfig, arrival_column: str | None, available: list[str], where: str) -> None:
     """Every column a workload key names is one of `available` (else a ConfigError naming the key)."""
-    keys = {"prompt_column": cfg.prompt_column, "id_column": cfg.id_column,
-            "max_tokens_column": cfg.max_tokens_column, "arrivals.column": arrival_column,
-            "class_column": cfg.class_column, **{f"columns.{k}": v for k, v in cfg.columns.items()}}
+    keys = {"prompt_column": workload.prompt_column, "id_column": workload.id_column,
+            "max_tokens_column": workload.max_tokens_column, "arrivals.column": arrival_column,
+            "class_column": workload.class_column, **{f"columns.{k}": v for k, v in workload.columns.items()}}
     for key, col in keys.items():
         if col and col not in available:
             raise ConfigError(f"workload.{key}={col!r} is not a column of {where}; "
                               f"its columns are: {', '.join(available) or '(none)'}")
 
 
-def check_column_types(cfg: WorkloadConfig, schema: pa.Schema, where: str) -> None:
+def check_column_types(workload: WorkloadConfig, schema: pa.Schema, where: str) -> None:
     """Every sampling column's type can hold a usable value of its key (else a ConfigError)."""
-    for key, col in sampling_columns(cfg).items():
+    for key, col in sampling_columns(workload).items():
         t = schema.field(col).type
         if not usable_type(key, t):
             raise ConfigError(f"workload column {col!r} (sampling {key}) in {where} has type {t}, which "

@@ -15,46 +15,48 @@ HF_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "cs
 
 
 class HFDatasetSource(Source):
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
         import datasets
 
-        super().__init__(cfg, arrival_column, shard)
-        p = resolve_path(cfg.path)
+        super().__init__(workload, arrival_column, shard)
+        p = resolve_path(workload.path)
         self.streaming = not (p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()))
         if not self.streaming:
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[self._pick_split(list(ds.keys()))]
-            self.num_rows = limit_total(len(ds), cfg.limit)
+            self.num_rows = limit_total(len(ds), workload.limit)
             names = list(ds.column_names)
         else:
-            builder = cfg.hf_builder or (HF_BUILDERS.get(p.suffix.lower()) if p.is_file() else None)
+            split = workload.split or "train"
+            builder = workload.hf_builder or (HF_BUILDERS.get(p.suffix.lower()) if p.is_file() else None)
             try:
                 if builder:
-                    ds = datasets.load_dataset(builder, data_files=str(p), split=cfg.split or "train", streaming=True)
+                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True)
                 else:
-                    ds = datasets.load_dataset(str(p), split=cfg.split or "train", streaming=True)
+                    ds = datasets.load_dataset(str(p), split=split, streaming=True)
             except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
-                raise ConfigError(f"workload.path={cfg.path!r} could not be loaded with datasets "
+                raise ConfigError(f"workload.path={workload.path!r} could not be loaded with datasets "
                                   f"(set workload.hf_builder=json|csv|parquet|text?): {e}") from None
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
-        self.check_columns(names, repr(cfg.path))
+        self.check_columns(names, repr(workload.path))
         self.dataset = ds.select_columns(self.columns)
-        self.description = f"hf_dataset {cfg.path}" + (" (streaming)" if self.streaming else "")
+        self.description = f"hf_dataset {workload.path}" + (" (streaming)" if self.streaming else "")
 
     def _pick_split(self, splits: list[str]) -> str:
-        if self.cfg.split:
-            if self.cfg.split not in splits:
-                raise ConfigError(f"workload.split={self.cfg.split!r} is not a split of {self.cfg.path!r}: {splits}")
-            return self.cfg.split
+        w = self.workload
+        if w.split:
+            if w.split not in splits:
+                raise ConfigError(f"workload.split={w.split!r} is not a split of {w.path!r}: {splits}")
+            return w.split
         if "train" in splits or len(splits) != 1:
             if "train" not in splits:
-                raise ConfigError(f"{self.cfg.path!r} has splits {splits}: choose one with workload.split=")
+                raise ConfigError(f"{w.path!r} has splits {splits}: choose one with workload.split=")
             return "train"
         return splits[0]
 
     def read(self) -> Iterator[list[Row]]:
-        bs = self.cfg.batch_size
+        bs = self.workload.batch_size
         if self.streaming:
             return self.numbered(iter(self.dataset.iter(batch_size=bs)))
         return self.arrow_rows(self.dataset.with_format("arrow").iter(batch_size=bs))

@@ -49,21 +49,21 @@ def count_lines(files: list[Path]) -> int:
     return n
 
 
-def jsonl_files(cfg: WorkloadConfig) -> list[Path]:
-    return find_files(resolve_path(cfg.path), JSONL_SUFFIXES, cfg.kind)
+def jsonl_files(workload: WorkloadConfig) -> list[Path]:
+    return find_files(resolve_path(workload.path), JSONL_SUFFIXES, workload.kind)
 
 
 class JsonlSource(Source):
     """One object per line; its keys are the columns."""
 
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
-        super().__init__(cfg, arrival_column, shard)
-        self.files = jsonl_files(cfg)
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(workload, arrival_column, shard)
+        self.files = jsonl_files(workload)
         first = self._first_object()
         if first is not None:
             self.check_columns(list(first), f"the first line of {self.files[0]}")
-        self.description = f"jsonl {cfg.path} ({len(self.files)} files)"
-        self.num_rows = limit_total(count_lines(self.files), cfg.limit)
+        self.description = f"jsonl {workload.path} ({len(self.files)} files)"
+        self.num_rows = limit_total(count_lines(self.files), workload.limit)
 
     def _first_object(self) -> dict | None:
         for line in read_lines(self.files, 1):
@@ -75,11 +75,11 @@ class JsonlSource(Source):
         return None
 
     def read(self) -> Iterator[list[Row]]:
-        lines = read_lines(self.files, self.cfg.limit)
-        return batched((self._row(line) for line in lines if self.owns(line.index)), self.cfg.batch_size)
+        lines = read_lines(self.files, self.workload.limit)
+        return batched((self._row(line) for line in lines if self.owns(line.index)), self.workload.batch_size)
 
     def _row(self, line: Line) -> Row:
-        c = self.cfg
+        c = self.workload
         try:
             obj = json.loads(line.raw)
             if not isinstance(obj, dict):

@@ -168,11 +168,11 @@ def parse_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLi
 class OpenAIBatchSource(Source):
     """The input JSONL as rows: id = custom_id, prompt = messages | text | token ids, sampling from body."""
 
-    def __init__(self, cfg: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
-        super().__init__(cfg, arrival_column, shard)
-        self.files = jsonl_files(cfg)
-        self.description = f"openai_batch {cfg.path} ({len(self.files)} files)"
-        self.num_rows = limit_total(count_lines(self.files), cfg.limit)
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
+        super().__init__(workload, arrival_column, shard)
+        self.files = jsonl_files(workload)
+        self.description = f"openai_batch {workload.path} ({len(self.files)} files)"
+        self.num_rows = limit_total(count_lines(self.files), workload.limit)
 
     @property
     def value_names(self) -> dict[str, str]:
@@ -183,5 +183,5 @@ class OpenAIBatchSource(Source):
     def read(self) -> Iterator[list[Row]]:
         # Every line is parsed, a shard's too: a custom_id is a duplicate of any earlier line's.
         rows = (Row(index=line.lineno - 1, id=line.row_id, prompt=line.prompt, error=line.error,
-                    sampling=line.sampling or None) for line in parse_lines(self.files, self.cfg.limit))
-        return batched(rows, self.cfg.batch_size)
+                    sampling=line.sampling or None) for line in parse_lines(self.files, self.workload.limit))
+        return batched(rows, self.workload.batch_size)
