@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ARCH = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096,
-    tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-)
+ARCH = {
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+}
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
 
