@@ -116,7 +116,8 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
     if get_backend(planned.device, mc.attention_backend) == "triton":
         warmup_s = warm_up_kernels(model, max_len, config.max_num_seqs, step, mc.attention_backend,
                                    block_size=planned.kv_spec.block_tokens)
-    peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size) + prompt_logprob_bytes(arch.vocab_size)
+    peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
+    peak += prompt_logprob_bytes(arch.vocab_size)
     planned.memory_plan, planned.num_blocks = plan_kv_cache(
         config, arch, planned.kv_spec, planned.device, measured_activation_bytes=peak,
         available_bytes=planned.memory_plan.available_bytes)
@@ -126,15 +127,16 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
 def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, warmup_s: float,
              compile_s: float | None) -> EngineParts:
     """The parts the engine steps with, around the loaded model."""
-    arch, tokenizer, device, max_len = planned.arch, planned.tokenizer, planned.device, config.cache.max_model_len
+    arch, tokenizer, device = planned.arch, planned.tokenizer, planned.device
+    max_len = config.cache.max_model_len
     eos = set(arch.eos_token_ids or []) | set(getattr(tokenizer, "eos_token_ids", []) or [])
     kv = KVCacheManager(planned.kv_spec, planned.num_blocks, device=device,
                         prefix_caching=config.cache.prefix_caching_enabled)
     scheduler = Scheduler(config, kv)
     # Logprobs report top-k alternatives among the ids the tokenizer knows (a padded LM head is wider).
     logprob_vocab = min(arch.vocab_size, getattr(tokenizer, "vocab_size", None) or arch.vocab_size)
-    runner = ModelRunner(model, kv, device, config.chunking.ubatch, attention_backend=config.model.attention_backend,
-                         logprob_vocab=logprob_vocab)
+    runner = ModelRunner(model, kv, device, config.chunking.ubatch,
+                         attention_backend=config.model.attention_backend, logprob_vocab=logprob_vocab)
     # Rows the sampler takes at once: what the memory plan budgets (memory.sampler_bytes).
     rows = max(1, min(config.chunking.step_budget(config.max_num_seqs, max_len), config.max_num_seqs))
     sampler = Sampler(config.seed, device, max_rows=rows, logprob_vocab=logprob_vocab)

@@ -1,12 +1,13 @@
 """Memory planning: will the weights, the KV cache and the largest step fit, before any is allocated?
 
-`plan_memory` is a pure function of the model's shapes, the config and the bytes available, so it is
-tested with made-up numbers. The engine calls it before loading the model: a run that cannot fit stops
-at once with the numbers and the fixes instead of swapping or dying mid-job. When the KV cache size is
-left to ladle (no cache.num_blocks / cache.memory_gb) it is shrunk to what is left, with a warning.
+`plan_memory` is a pure function of the model's shapes, the KV-cache spec (engine/kv_spec.py), the
+config and the bytes available, so it is tested with made-up numbers. This is the only place the KV
+cache is sized. The builder (engine/builder.py) calls it before loading the model: a run that cannot
+fit stops at once with the numbers and the fixes instead of swapping or dying mid-job. When the KV
+cache size is left to ladle (no cache.num_blocks / cache.memory_gb) it is shrunk to what is left.
 
 On CUDA the estimate of a step's activations is replaced by a measurement (vLLM's profile run): the
-engine runs one forward at the step budget's width after loading the weights and sizes the KV cache
+builder runs one forward at the step budget's width after loading the weights and sizes the KV cache
 from the free memory that remains (see `profile_peak_bytes`).
 """
 

@@ -35,32 +35,25 @@ class OutputProcessor:
         self._detok.pop(req, None)
 
     # -- a sampled token -------------------------------------------------------------------------
-    def new_text(self, req: Request) -> str:
-        """The text the token just appended adds, when it is read per step or a stop string must be
-        found ("" otherwise: the final flush decodes it)."""
+    def take_token(self, req: Request, token: int, grammar_ended: bool) -> str | None:
+        """The text of the token just appended, and whether it ends the request: "stop" (its grammar
+        ended, EOS, a stop token, a stop string), "length" (max_tokens, max_model_len) or None."""
         p = req.params
-        if p.output_kind != "delta" and not p.stop:
-            return ""
-        return self.detokenizer.step(self._detok[req], req.prompt_token_ids, req.output_token_ids)
-
-    def stop_reason(self, req: Request, token: int, grammar_ended: bool) -> str | None:
-        """Why the token just appended ends the request: "stop" (its grammar ended, EOS, a stop token),
-        "length" (max_tokens, max_model_len), or None."""
-        p = req.params
+        # Text is built as it comes only when it is read per step or a stop string must be found.
+        streamed = p.output_kind == "delta" or bool(p.stop)
+        new_text = ""
+        if streamed:
+            new_text = self.detokenizer.step(self._detok[req], req.prompt_token_ids, req.output_token_ids)
+        reason = None
         if grammar_ended or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def add_text(self, req: Request, new_text: str, reason: str | None) -> str | None:
-        """Append the step's text (all that is left, when the request ends), cut at a stop string.
-        Returns the finish reason: `reason`, or "stop" when a stop string appeared."""
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
         if reason is not None:  # the last text now: stop strings are checked on it
             new_text += self.detokenizer.flush(self._detok.pop(req), req.prompt_token_ids, req.output_token_ids)
         req.text += new_text
-        if req.params.stop:
-            cut = find_stop(req.text, len(new_text), req.params.stop)
+        if p.stop:
+            cut = find_stop(req.text, len(new_text), p.stop)
             if cut is not None:
                 req.text = req.text[:cut]
                 reason = "stop"

@@ -118,9 +118,8 @@ class Updater:
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
-        new_text = self.output.new_text(req)
         grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
-        reason = self.output.add_text(req, new_text, self.output.stop_reason(req, token, grammar_ended))
+        reason = self.output.take_token(req, token, grammar_ended)
         if reason is not None:
             self.finish(req, reason, now)
         return self.output.token_output(req, token, reason)
