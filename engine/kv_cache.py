@@ -1,17 +1,16 @@
-"""KV-cache manager: sizes and allocates the cache tensors and maps requests to blocks.
+"""KV-cache manager: allocates the cache tensors and maps requests to blocks.
 
-Backends share one layout, per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`:
+Backends share one layout (engine/kv_spec.py), per layer `[2, num_blocks, block_size, num_kv_heads,
+head_dim]`:
 - paged: small blocks (default 16 tokens) handed out as a sequence grows; full blocks are
   hashed for prefix caching.
 - contiguous: one block of max_model_len tokens per sequence (the slotted cache); no sharing.
-The kernels see the same metadata for both.
+The kernels see the same metadata for both. The pool's size comes from the memory plan (engine/memory.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import warnings
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,11 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import CacheConfig
+from engine.kv_spec import KVCacheSpec
 from engine.request import Request
-
-_DEFAULT_CPU_CACHE_GB = 4.0
-
 
 _ROOT = hashlib.sha256(b"ladle/prefix-cache/v1").digest()  # the parent of a sequence's first block
 
@@ -58,61 +54,27 @@ class AdmissionPlan:
 
 
 class KVCacheManager:
-    def __init__(
-        self,
-        config: CacheConfig,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_num_seqs: int,
-        num_blocks: int | None = None,
-    ) -> None:
-        """num_blocks: the pool size the engine's memory plan chose; None sizes it from the config."""
-        self.config = config
-        self.contiguous = config.backend == "contiguous"
-        self.block_size = config.max_model_len if self.contiguous else config.block_size
-        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        self.num_blocks = num_blocks or self._num_blocks(bytes_per_token, max_num_seqs, device)
-        self.pool = BlockPool(self.num_blocks, enable_caching=config.prefix_caching_enabled)
-        shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.bytes = bytes_per_token * self.num_blocks * self.block_size
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, *, device: torch.device, prefix_caching: bool) -> None:
+        """num_blocks: the pool size the memory plan chose (engine/memory.py)."""
+        self.spec = spec
+        self.block_size = spec.block_tokens
+        self.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks, enable_caching=prefix_caching)
+        self.kv_caches = [torch.zeros(spec.block_shape(num_blocks), dtype=spec.dtype, device=device)
+                          for _ in range(spec.num_layers)]
+        self.bytes = spec.page_bytes * num_blocks
 
-    def _num_blocks(self, bytes_per_token: int, max_num_seqs: int, device: torch.device) -> int:
-        cfg = self.config
-        block_bytes = bytes_per_token * self.block_size
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.memory_gb is not None:
-            n = int(cfg.memory_gb * 2**30 // block_bytes)
-            if n < 1:
-                raise ValueError(
-                    f"cache.memory_gb={cfg.memory_gb} holds no block of {self.block_size} tokens "
-                    f"({block_bytes / 2**20:.1f} MiB each); raise cache.memory_gb"
-                )
-            return n
-        # Enough for every sequence at full length, within a memory cap.
-        wanted = max_num_seqs * math.ceil(cfg.max_model_len / self.block_size)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            cap = int(0.85 * free // block_bytes)
-        else:
-            cap = int(_DEFAULT_CPU_CACHE_GB * 2**30 // block_bytes)
-        if cap < wanted:
-            warnings.warn(
-                f"KV cache capped at {cap} blocks of {self.block_size} tokens (wanted {wanted} for "
-                f"max_num_seqs={max_num_seqs} x max_model_len={cfg.max_model_len}); set cache.num_blocks "
-                "or cache.memory_gb to choose",
-                stacklevel=3,
-            )
-        return max(1, min(wanted, cap))
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
 
     # -- per request -----------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
-        return 1 if self.contiguous else math.ceil(num_tokens / self.block_size)
+        return self.spec.blocks_for(num_tokens)
 
     def _prefix_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Hashes of the request's first num_blocks full blocks (computed once, then extended)."""
@@ -178,14 +140,14 @@ class KVCacheManager:
             self.pool.register(req.block_ids[i], hashes[i])
         req.num_cached_blocks = full
 
-    # -- n samples --
-    def fork(self, src: Request, dst: Request) -> bool:
+    # -- copy-on-write primitives (the fork policy is engine/n_samples.py's) --
+    def fork_blocks(self, src: Request, dst: Request) -> bool:
         """Give `dst` the KV of src's computed tokens: its full blocks are shared (one more reference
         each) and the partly filled last block is copied (copy-on-write, done at fork time since every
         sample writes into it next). The contiguous backend has one block per sequence and cannot share,
         so the whole computed region is copied. False, changing nothing, if no block is free for the copy."""
         n = src.num_computed_tokens
-        shared = 0 if self.contiguous else n // self.block_size
+        shared = 0 if self.spec.contiguous else n // self.block_size
         partial = self.blocks_needed(n) - shared if n else 0
         if partial > self.pool.num_free:
             return False
@@ -202,7 +164,7 @@ class KVCacheManager:
         dst.num_cached_blocks = min(src.num_cached_blocks, shared)
         return True
 
-    def transfer(self, src: Request, dst: Request) -> None:
+    def move_blocks(self, src: Request, dst: Request) -> None:
         """Move src's blocks to dst (the first sample takes over the prompt's blocks as they are)."""
         dst.block_ids, src.block_ids = src.block_ids, []
         dst.num_computed_tokens = src.num_computed_tokens

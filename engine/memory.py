@@ -1,12 +1,13 @@
 """Memory planning: will the weights, the KV cache and the largest step fit, before any is allocated?
 
-`plan_memory` is a pure function of the model's shapes, the config and the bytes available, so it is
-tested with made-up numbers. The engine calls it before loading the model: a run that cannot fit stops
-at once with the numbers and the fixes instead of swapping or dying mid-job. When the KV cache size is
-left to ladle (no cache.num_blocks / cache.memory_gb) it is shrunk to what is left, with a warning.
+`plan_memory` is a pure function of the model's shapes, the KV-cache spec (engine/kv_spec.py), the
+config and the bytes available, so it is tested with made-up numbers. This is the only place the KV
+cache is sized. The builder (engine/builder.py) calls it before loading the model: a run that cannot
+fit stops at once with the numbers and the fixes instead of swapping or dying mid-job. When the KV
+cache size is left to ladle (no cache.num_blocks / cache.memory_gb) it is shrunk to what is left.
 
 On CUDA the estimate of a step's activations is replaced by a measurement (vLLM's profile run): the
-engine runs one forward at the step budget's width after loading the weights and sizes the KV cache
+builder runs one forward at the step budget's width after loading the weights and sizes the KV cache
 from the free memory that remains (see `profile_peak_bytes`).
 """
 
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import EngineConfigError
+from engine.kv_spec import KVCacheSpec
 
 GIB = 2**30
 CPU_KV_CAP_GB = 4.0  # the default CPU KV cache when no size is given (it is also capped by what is free)
@@ -66,7 +68,7 @@ SAMPLER_BYTES_PER_LOGIT = 32  # float32 logits, probs, noise, sorted copy, int64
 def sampler_bytes(rows: int, vocab_size: int) -> int:
     """The sampler's transient tensors for `rows` sampling rows (the profile run measures only the
     forward and the LM head, so this is added to it). The engine never samples more rows at once
-    (LLMEngine.sample_rows): n > 1 forks, which repeat a row n times, are drawn in groups of that many."""
+    (Sampler.max_rows): n > 1 forks, which repeat a row n times, are drawn in groups of that many."""
     return rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
@@ -99,24 +101,25 @@ def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max
     return 2 * (hidden + logits + context) + prompt_logprob_bytes(s.vocab_size)  # that one is exact
 
 
-def plan_memory(shape: ModelShape, *, elem: int, device: str, available_bytes: int, step_tokens: int,
-                max_num_seqs: int, max_model_len: int, block_size: int, kv_tokens_wanted: int,
-                kv_size_given: bool, measured_activation_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(shape: ModelShape, spec: KVCacheSpec, *, device: str, available_bytes: int, step_tokens: int,
+                max_num_seqs: int, kv_tokens_wanted: int, kv_size_given: bool,
+                measured_activation_bytes: int | None = None) -> MemoryPlan:
     """The memory the run will take, the KV cache sized to fit; raises InsufficientMemory naming the fixes.
 
     kv_tokens_wanted: what the config asks for (explicit size, or enough for every sequence at full
     length within the default cap). kv_size_given: the user set cache.num_blocks / memory_gb, so the
     cache is not shrunk behind their back: it must fit as asked.
     """
+    elem = spec.element_size  # weights and KV cache share the model's dtype
     weights = shape.num_parameters * elem
     act = measured_activation_bytes if measured_activation_bytes is not None else activation_bytes(
-        shape, step_tokens, max_num_seqs, max_model_len, elem)
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elem
+        shape, step_tokens, max_num_seqs, spec.max_model_len, elem)
+    per_token, block = spec.bytes_per_token, spec.block_tokens
     room = available_bytes - weights - act
-    min_tokens = math.ceil(max_model_len / block_size) * block_size  # one sequence at full length
+    min_tokens = spec.blocks_for(spec.max_model_len) * block  # one sequence at full length
     kv_tokens = kv_tokens_wanted
     if not kv_size_given and room < kv_tokens * per_token:
-        kv_tokens = max(0, room // per_token // block_size * block_size)
+        kv_tokens = max(0, room // per_token // block * block)
     plan = MemoryPlan(weights, act, per_token, kv_tokens, available_bytes, device)
     if plan.total_bytes > available_bytes or kv_tokens < min(min_tokens, kv_tokens_wanted):
         raise InsufficientMemory(_explain(plan, max(kv_tokens_wanted, min_tokens), elem, kv_size_given))
@@ -192,10 +195,8 @@ def profile_peak_bytes(model, num_tokens: int, max_model_len: int, backend: str 
     dummy_forward(model, lens, lens, backend)
     if not cuda:
         return None
-    arch = model.arch
-    elem = next(model.parameters()).element_size()
     blocks = sum(math.ceil(n / BLOCK) for n in lens)
-    cache_bytes = arch.num_layers * 2 * blocks * BLOCK * arch.num_kv_heads * arch.head_dim * elem
+    cache_bytes = blocks * BLOCK * model.arch.kv_cache_bytes_per_token(next(model.parameters()).dtype)
     return torch.cuda.max_memory_allocated(device) - base - cache_bytes
 
 
@@ -204,7 +205,7 @@ def shape_of(arch) -> ModelShape:
                       arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size)
 
 
-def plan_kv_cache(config, arch, elem: int, device, measured_activation_bytes: int | None = None,
+def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_bytes: int | None = None,
                   available_bytes: int | None = None) -> tuple[MemoryPlan, int]:
     """The memory plan of an engine config and the number of KV blocks it gives the cache.
 
@@ -212,29 +213,27 @@ def plan_kv_cache(config, arch, elem: int, device, measured_activation_bytes: in
     x max_model_len), capped at CPU_KV_CAP_GB on CPU; a size ladle chose is shrunk to what fits.
     """
     cache = config.cache
-    block_tokens = cache.max_model_len if cache.backend == "contiguous" else cache.block_size
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    block_tokens, page = spec.block_tokens, spec.page_bytes
     given = cache.num_blocks is not None or cache.memory_gb is not None
     if cache.num_blocks is not None:
         wanted = cache.num_blocks * block_tokens
     elif cache.memory_gb is not None:
-        wanted = int(cache.memory_gb * GIB) // (per_token * block_tokens) * block_tokens
+        wanted = int(cache.memory_gb * GIB) // page * block_tokens
         if wanted < block_tokens:
             raise InsufficientMemory(
                 f"cache.memory_gb={cache.memory_gb} holds no block of {block_tokens} tokens "
-                f"({per_token * block_tokens / 2**20:.1f} MiB each); raise cache.memory_gb")
+                f"({page / 2**20:.1f} MiB each); raise cache.memory_gb")
     else:
-        wanted = config.max_num_seqs * math.ceil(cache.max_model_len / block_tokens) * block_tokens
+        wanted = config.max_num_seqs * spec.blocks_for(cache.max_model_len) * block_tokens
         if device.type != "cuda":
-            wanted = min(wanted, int(CPU_KV_CAP_GB * GIB) // (per_token * block_tokens) * block_tokens)
+            wanted = min(wanted, int(CPU_KV_CAP_GB * GIB) // page * block_tokens)
     if available_bytes is None:
         available_bytes = _available(device)
-    ch = config.chunking
     plan = plan_memory(
-        shape_of(arch), elem=elem, device=str(device), available_bytes=available_bytes,
-        step_tokens=ch.step_budget(config.max_num_seqs, cache.max_model_len),
-        max_num_seqs=config.max_num_seqs, max_model_len=cache.max_model_len, block_size=block_tokens,
-        kv_tokens_wanted=wanted, kv_size_given=given, measured_activation_bytes=measured_activation_bytes)
+        shape_of(arch), spec, device=str(device), available_bytes=available_bytes,
+        step_tokens=config.chunking.step_budget(config.max_num_seqs, cache.max_model_len),
+        max_num_seqs=config.max_num_seqs, kv_tokens_wanted=wanted, kv_size_given=given,
+        measured_activation_bytes=measured_activation_bytes)
     return plan, max(1, plan.kv_tokens // block_tokens)
 
 

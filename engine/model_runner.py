@@ -31,7 +31,27 @@ class _Piece:
     item: ScheduledRequest
     start: int  # position of its first token
     num_tokens: int
-    samples: bool  # the piece ends the step's tokens of a request that samples
+    produces_token: bool  # the piece ends the step's tokens of a request that samples
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt positions one forward computed (engine/logprobs.py)."""
+
+    request: Request
+    first: int  # prompt index of the first token scored
+    logprobs: list[float]
+    top: list[TopK]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one step's forwards produced."""
+
+    logits: torch.Tensor  # float32 [S, vocab]: one row per request that samples, in step order
+    prompt_logprobs: list[PromptLogprobs]  # in step order; the update appends them
+    num_forwards: int  # > 1 when chunking.ubatch splits the step
+    prepare_time: float  # seconds building batches and metadata (within the forwards' time)
 
 
 def split_into_forwards(scheduled: list[ScheduledRequest], ubatch: int | None) -> list[list[_Piece]]:
@@ -45,7 +65,7 @@ def split_into_forwards(scheduled: list[ScheduledRequest], ubatch: int | None) -
                 forwards.append([])
                 room = ubatch
             n = int(min(left, room))
-            forwards[-1].append(_Piece(item, start, n, samples=item.samples and n == left))
+            forwards[-1].append(_Piece(item, start, n, produces_token=item.produces_token and n == left))
             start, left, room = start + n, left - n, room - n
     return [f for f in forwards if f]
 
@@ -65,35 +85,34 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.ubatch = ubatch
-        self.block_table = PersistentBlockTable(kv.blocks_needed(kv.config.max_model_len))
-        self.num_forwards = 0  # of the last step
-        self.prepare_time = 0.0  # seconds spent building batches/metadata in the last step
-        # Prompt logprobs of the last step: (request, index of the first prompt position, logprobs,
-        # top-k), in step order; the engine appends them once the step succeeded.
-        self.prompt_logprobs: list[tuple[Request, int, list[float], list[TopK]]] = []
+        self.block_table = PersistentBlockTable(kv.spec.blocks_for(kv.spec.max_model_len))
         self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Run the step; returns float32 logits [S, vocab], one row per sampling request in order."""
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        """Run the step's forwards: logits rows of the requests that sample, and prompt logprobs."""
         rows: list[torch.Tensor] = []
-        self.prepare_time = 0.0
-        self.prompt_logprobs = []
+        prompt_logprobs: list[PromptLogprobs] = []
         forwards = split_into_forwards(scheduled, self.ubatch)
+        prepare_time = 0.0
         for pieces in forwards:
-            logits = self._forward(pieces)
+            logits, seconds = self._forward(pieces, prompt_logprobs)
+            prepare_time += seconds
             if logits is not None:
                 rows.append(logits)
-        self.num_forwards = len(forwards)
         if not rows:
-            return torch.empty(0, 0, device=self.device)
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+            logits = torch.empty(0, 0, device=self.device)
+        else:
+            logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+        return RunnerOutput(logits, prompt_logprobs, len(forwards), prepare_time)
 
     def release(self, seq_key: str | tuple[str, int]) -> None:
         """A finished request (Request.seq_key): its persistent block-table row is free again."""
         self.block_table.release(seq_key)
 
-    def _forward(self, pieces: list[_Piece]) -> torch.Tensor | None:
+    def _forward(self, pieces: list[_Piece],
+                 prompt_logprobs: list[PromptLogprobs]) -> tuple[torch.Tensor | None, float]:
+        """One forward; its sampling rows' logits (None if none) and the seconds spent preparing it."""
         t0 = time.perf_counter()
         input_ids: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
@@ -110,7 +129,7 @@ class ModelRunner:
             input_ids.extend(req.token_slice(p.start, end))
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
-            if p.samples:
+            if p.produces_token:
                 logits_indices.append(len(input_ids) - 1)
         reqs = [p.item.request for p in pieces]
         rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
@@ -125,14 +144,14 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        self.prepare_time += time.perf_counter() - t0
+        prepare_time = time.perf_counter() - t0
         hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
         for req, row, lo, hi in prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
             vocab = self.model.arch.vocab_size
             chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
                                           req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
-            self.prompt_logprobs.append((req, lo + 1, chosen, tops))
+            prompt_logprobs.append(PromptLogprobs(req, lo + 1, chosen, tops))
         if not logits_indices:
-            return None
-        return self.model.compute_logits(hidden[meta.logits_indices])
+            return None, prepare_time
+        return self.model.compute_logits(hidden[meta.logits_indices]), prepare_time

@@ -71,7 +71,7 @@ class Request:
     num_emitted_chars: int = 0  # prefix of `text` already reported (the rest may start a stop string)
     # Per-request RNG state (torch.Generator) when params.seed is set; set by the sampler.
     generator: object | None = None
-    # -- n samples and logprobs --
+    # -- n samples (engine/n_samples.py) and logprobs --
     sample_index: int = 0
     children: list[Request] = field(default_factory=list)  # n > 1: the samples forked after the prefill
     parent: Request | None = None  # a sample: the request that prefilled its prompt
@@ -121,11 +121,6 @@ class Request:
     def seq_key(self) -> str | tuple[str, int]:
         """Identifies one sequence (the n samples of a request share its request_id)."""
         return self.request_id if self.parent is None else (self.request_id, self.sample_index)
-
-    @property
-    def forks(self) -> bool:
-        """Whether its sampling row forks it into params.n samples (a parent not yet forked)."""
-        return self.params.n > 1 and self.params.max_tokens > 0 and self.parent is None and not self.children
 
     @property
     def needs_prompt_logprobs(self) -> bool:

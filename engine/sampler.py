@@ -8,15 +8,56 @@ with its own seed gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from engine.logprobs import SampleLogprobs, TopK
 from engine.request import Request
+
+Mask = Callable[[torch.Tensor, list[Request]], None]  # masks logits rows in place (structured output)
+
+
+@dataclass(slots=True)
+class Drawn:
+    """What a step drew: a token per sampling request, and (logprob, top-k) for those that asked."""
+
+    tokens: dict[Request, int]
+    logprobs: dict[Request, tuple[float, TopK]]
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, max_rows: int = 1 << 30,
+                 logprob_vocab: int | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.max_rows = max_rows  # rows drawn at once: what the memory plan budgets (memory.sampler_bytes)
+        self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
+
+    def draw(self, logits: torch.Tensor, rows: list[int] | None, requests: list[Request],
+             mask: Mask | None = None) -> Drawn:
+        """A token for each request from its logits row (`rows[i]`, or row i when rows is None): raw
+        logprobs first, then the mask (grammars), then sampling. n > 1 forks repeat a parent's row n
+        times (engine/n_samples.py), so the rows are drawn max_rows at a time."""
+        tokens: list[int] = []
+        logprobs: dict[Request, tuple[float, TopK]] = {}
+        for lo in range(0, len(requests), self.max_rows):
+            hi = min(lo + self.max_rows, len(requests))
+            part = requests[lo:hi]
+            if rows is None and hi - lo == logits.shape[0]:
+                chunk = logits  # the common case: every row once, no copy
+            else:
+                picked = rows[lo:hi] if rows is not None else list(range(lo, hi))
+                chunk = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+            vocab = self.logprob_vocab or logits.shape[-1]
+            sample_logprobs = SampleLogprobs.prepare(chunk, part, vocab)  # raw logits
+            if mask is not None:
+                mask(chunk, part)
+            drawn = self.sample(chunk, part)
+            tokens.extend(drawn)
+            logprobs.update((part[i], lp) for i, lp in sample_logprobs.results(drawn).items())
+        return Drawn(dict(zip(requests, tokens)), logprobs)
 
     def _noise(self, requests: list[Request], vocab: int) -> torch.Tensor:
         noise = torch.empty(len(requests), vocab, device=self.device)

@@ -192,7 +192,7 @@ def load_model(
       config.json when it has one, else from `architecture`). path=None always means random weights.
     dtype: a torch dtype or a name; "auto" follows the checkpoint on CUDA (see resolve_dtype).
     """
-    device = torch.device(device)
+    device = resolve_device(device)
     model_dir, arch = resolve_architecture(path, architecture, random_weights)
     model = build_model(arch, resolve_dtype(dtype, device, arch), device)
     files = weight_files(model_dir) if model_dir is not None and not random_weights else []
@@ -282,9 +282,14 @@ def resolve_dtype(
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
-    """'auto' -> cuda when available, else cpu."""
+    """The one device rule (engine and loader): 'auto' -> CUDA when available, else CPU; a CUDA device
+    asked for by name must exist (a run meant for a GPU must not crawl along on the CPU instead)."""
     if isinstance(name, torch.device):
-        return name
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        device = name
+    elif name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={str(name)!r} but CUDA is not available; use model.device=cpu or auto")
+    return device

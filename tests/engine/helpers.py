@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from engine.detokenizer import Detokenizer
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -75,7 +76,7 @@ def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
 
 def fail_on_forward(eng: LLMEngine, n: int | None, message: str = "injected failure") -> None:
     """Make the n-th call of the model runner raise (1-based); None injects nothing."""
-    original = eng.runner.execute
+    original = eng.model_runner.execute
     calls = {"n": 0}
 
     def flaky(scheduled):
@@ -84,4 +85,11 @@ def fail_on_forward(eng: LLMEngine, n: int | None, message: str = "injected fail
             raise RuntimeError(message)
         return original(scheduled)
 
-    eng.runner.execute = flaky
+    eng.model_runner.execute = flaky
+
+
+def use_tokenizer(eng: LLMEngine, tok, eos_token_ids: set[int] | None = None) -> None:
+    """Swap the engine's tokenizer on both sides (prompts in, text out) and its EOS ids (none by default)."""
+    eng.input_processor.tokenizer = tok
+    eng.output_processor.detokenizer = Detokenizer(tok)
+    eng.output_processor.eos_token_ids = set() if eos_token_ids is None else eos_token_ids

@@ -12,14 +12,14 @@ from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_comp
 def capture_logits(eng):
     """Record the logits rows the model runner returns, per step."""
     seen = []
-    original = eng.runner.execute
+    original = eng.model_runner.execute
 
     def wrapped(scheduled):
-        logits = original(scheduled)
-        seen.append(logits.clone())
-        return logits
+        out = original(scheduled)
+        seen.append(out.logits.clone())
+        return out
 
-    eng.runner.execute = wrapped
+    eng.model_runner.execute = wrapped
     return seen
 
 

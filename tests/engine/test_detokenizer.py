@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from engine import SamplingParams
 from engine.detokenizer import Detokenizer, DetokState
 from models.tokenizer import HFTokenizer
-from tests.engine.helpers import make_engine
+from tests.engine.helpers import make_engine, use_tokenizer
 
 CORPUS = [
     "Hello , world . Don't stop ! It's fine ; we're here , aren't we ?",
@@ -109,7 +109,7 @@ def test_engine_text_equals_decode_of_the_output_ids(tiny_hf_model_dir, monkeypa
     hf = _build(kind, "forced")
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     tok = HFTokenizer(hf)
-    eng.tokenizer, eng.detokenizer, eng.eos_token_ids = tok, Detokenizer(tok), set()
+    use_tokenizer(eng, tok)
     script = hf.encode(CORPUS[1] + " " + CORPUS[0], add_special_tokens=False)
     assert max(script) < eng.vocab_size
     monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: [script[len(r.output_token_ids)] for r in reqs])

@@ -1,4 +1,4 @@
-"""Logprobs and prompt logprobs (issue 13): the raw model's log_softmax, checked against transformers.
+"""Logprobs and prompt logprobs: the raw model's log_softmax, checked against transformers.
 
 Every generated and prompt position is compared with transformers' log_softmax of the same fp32 model
 within 1e-4, for chunk sizes 1, 3, 8, unchunked, a ubatch-split step and prefix caching on.
@@ -203,7 +203,7 @@ def test_padded_vocabulary_ids_are_not_reported(tiny_hf_model_dir):
     """A tokenizer smaller than the LM head: top-k only among real ids; the normaliser is still the
     whole row, as transformers computes it."""
     eng = make_engine(tiny_hf_model_dir("llama"))
-    eng.runner.logprob_vocab = 200
+    eng.model_runner.logprob_vocab = eng.sampler.logprob_vocab = 200
     prompt = random_prompt(8, seed=7, vocab=200)
     out = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                                 logprobs=20, prompt_logprobs=20))[0]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig
+from engine.kv_spec import KVCacheSpec
 from engine.memory import GIB, InsufficientMemory, activation_bytes, plan_kv_cache, profile_peak_bytes
 from models import resolve_architecture
 
@@ -26,32 +27,37 @@ def _arch():
     return resolve_architecture(None, QWEN3_4B)[1]
 
 
+def plan_for(config: EngineConfig, elem: int, **kw):
+    """plan_kv_cache for the model in fp32 (elem 4) or bf16 (elem 2) on the CPU."""
+    spec = KVCacheSpec.build(config.cache, _arch(), {4: torch.float32, 2: torch.bfloat16}[elem])
+    return plan_kv_cache(config, _arch(), spec, torch.device("cpu"), **kw)
+
+
 def test_qwen3_4b_fp32_on_a_24_gib_machine_with_other_work_is_refused_with_the_numbers():
     """The new user's `model=qwen3_4b chunking.size=256` in fp32: 16 GB of weights + a 4 GiB cache."""
     with pytest.raises(InsufficientMemory) as err:
-        plan_kv_cache(_config(memory_gb=4.0), _arch(), 4, torch.device("cpu"), available_bytes=18 * GIB)
+        plan_for(_config(memory_gb=4.0), 4, available_bytes=18 * GIB)
     msg = str(err.value)
     assert "weights 15.0 GiB" in msg and "18.0 GiB of available host memory" in msg
     assert "model.dtype=bfloat16" in msg and "cache.memory_gb" in msg and "smaller model" in msg
 
 
 def test_a_cache_size_ladle_chose_shrinks_to_what_is_left():
-    plan, blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=int(17.5 * GIB))
+    plan, blocks = plan_for(_config(), 4, available_bytes=int(17.5 * GIB))
     assert plan.total_bytes <= 17.5 * GIB and blocks * 16 >= 4096  # still one full-length sequence
-    roomy, roomy_blocks = plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=64 * GIB)
+    roomy, roomy_blocks = plan_for(_config(), 4, available_bytes=64 * GIB)
     assert roomy.kv_bytes <= 4 * GIB + 16 * roomy.kv_bytes_per_token and roomy_blocks > blocks  # CPU cap
 
 
 def test_not_even_one_full_length_sequence_fits():
     with pytest.raises(InsufficientMemory, match="cache.max_model_len"):
-        plan_kv_cache(_config(), _arch(), 4, torch.device("cpu"), available_bytes=int(15.5 * GIB))
+        plan_for(_config(), 4, available_bytes=int(15.5 * GIB))
 
 
 def test_an_explicit_cache_size_is_not_shrunk_behind_the_users_back():
     with pytest.raises(InsufficientMemory):
-        plan_kv_cache(_config(num_blocks=100_000), _arch(), 2, torch.device("cpu"), available_bytes=20 * GIB)
-    _plan, blocks = plan_kv_cache(_config(num_blocks=1000), _arch(), 2, torch.device("cpu"),
-                                 available_bytes=20 * GIB)
+        plan_for(_config(num_blocks=100_000), 2, available_bytes=20 * GIB)
+    _plan, blocks = plan_for(_config(num_blocks=1000), 2, available_bytes=20 * GIB)
     assert blocks == 1000
 
 

@@ -1,4 +1,4 @@
-"""n samples per prompt (issue 13): one prefill, KV shared by the samples, each with its own stream."""
+"""n samples per prompt: one prefill, KV shared by the samples, each with its own stream."""
 
 from __future__ import annotations
 
@@ -256,13 +256,13 @@ def test_forked_rows_are_sampled_within_the_budgeted_rows(tiny_hf_model_dir, mon
     """The memory plan budgets the sampler for one row per running sequence (memory.sampler_bytes);
     n=16 forks of several prompts in one step would otherwise materialise n x that many rows of
     [vocab] float32 copies (qwen3_4b vocab, max_num_seqs 256, n=16: ~20 GiB against 1.2 GiB budgeted).
-    The engine draws them sample_rows at a time, with the same seeded tokens and logprobs."""
+    The engine draws them max_rows (Sampler) at a time, with the same seeded tokens and logprobs."""
     path = tiny_hf_model_dir("llama")
     prompts = [random_prompt(5 + i, seed=40 + i) for i in range(3)]
     params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, n=6, seed=11, logprobs=2)
     ref = make_engine(path, max_num_seqs=32).generate(prompts, params)
     eng = make_engine(path, max_num_seqs=32)
-    eng.sample_rows = 4
+    eng.sampler.max_rows = 4
     widths = []
     original = eng.sampler.sample
     monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: widths.append(len(reqs)) or original(logits, reqs))
@@ -280,7 +280,7 @@ def test_a_sample_whose_first_token_fails_fails_alone(tiny_hf_model_dir, failing
     first token and sat in the running list unscheduled forever (the engine spun), their blocks held."""
     eng = make_engine(tiny_hf_model_dir("llama"))
     calls = {"n": 0}
-    original = eng.detokenizer.step
+    original = eng.output_processor.detokenizer.step
 
     def flaky(*args):
         calls["n"] += 1
@@ -288,7 +288,7 @@ def test_a_sample_whose_first_token_fails_fails_alone(tiny_hf_model_dir, failing
             raise ValueError("injected")
         return original(*args)
 
-    eng.detokenizer.step = flaky
+    eng.output_processor.detokenizer.step = flaky
     eng.add_request(random_prompt(9, seed=1), greedy(3, max_tokens=5), request_id="q")
     done = {}
     for _ in range(50):

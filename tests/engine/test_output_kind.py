@@ -8,9 +8,8 @@ import dataclasses
 import pytest
 
 from engine import SamplingParams
-from engine.detokenizer import Detokenizer
 from models.tokenizer import HFTokenizer
-from tests.engine.helpers import make_engine
+from tests.engine.helpers import make_engine, use_tokenizer
 from tests.engine.test_detokenizer import BUILDERS, CORPUS, _build
 
 
@@ -29,7 +28,7 @@ def _scripted(tiny_hf_model_dir, monkeypatch, kind):
     hf = _build(kind, "forced")
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     tok = HFTokenizer(hf)
-    eng.tokenizer, eng.detokenizer, eng.eos_token_ids = tok, Detokenizer(tok), set()
+    use_tokenizer(eng, tok)
     script = hf.encode(CORPUS[1] + " " + CORPUS[0], add_special_tokens=False)
     monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: [script[len(r.output_token_ids)] for r in reqs])
     return eng, hf, script
@@ -58,13 +57,13 @@ def test_final_only_without_stop_strings_never_detokenises_per_step(tiny_hf_mode
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     calls = {"step": 0, "flush": 0}
     for name in calls:
-        real = getattr(eng.detokenizer, name)
+        real = getattr(eng.output_processor.detokenizer, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
             return _real(*a, **k)
 
-        monkeypatch.setattr(eng.detokenizer, name, counted)
+        monkeypatch.setattr(eng.output_processor.detokenizer, name, counted)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, output_kind="final_only")] * 3
     outs = _run(eng, ["abc", "hello there", "x"], params)
     assert [len(o) for o in outs] == [1, 1, 1] and all(len(o[0].output_token_ids) == 12 for o in outs)
@@ -97,7 +96,7 @@ def test_a_grammar_that_ends_without_a_token_keeps_its_text(tiny_hf_model_dir, k
     from engine.structured_output import StructuredOutputManager
 
     eng = make_engine(tiny_hf_model_dir("qwen3"))
-    eng.eos_token_ids = set()
+    eng.output_processor.eos_token_ids = set()
     eng.structured = StructuredOutputManager(eng.tokenizer, eng.vocab_size, [])  # no stop token at all
     p = SamplingParams(max_tokens=32, temperature=0.0, output_kind=kind,
                        structured=StructuredOutputs(choice=["yes", "no"]))
@@ -117,7 +116,7 @@ def test_an_aborted_or_failed_request_reports_the_text_of_its_tokens(tiny_hf_mod
     for _ in range(8):
         eng.step()
     req = eng.requests[rid]
-    monkeypatch.setattr(eng.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(eng.model_runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     [out] = [o for o in eng.step() if o.request_id == rid]
     assert out.finish_reason == "error" and len(out.output_token_ids) >= 5
     assert out.text == eng.tokenizer.decode(out.output_token_ids) == req.text

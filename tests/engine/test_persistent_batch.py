@@ -54,7 +54,7 @@ def test_preempted_requests_get_their_new_blocks_in_the_table(tiny_hf_model_dir,
     if num_blocks == 6:
         assert sum(done[i].metrics.num_preemptions for i in ids) > 0
     assert [done[i].output_token_ids for i in ids] == [r.output_token_ids for r in ref]
-    assert len(eng.runner.block_table) == 0  # every finished request gave its row back
+    assert len(eng.model_runner.block_table) == 0  # every finished request gave its row back
 
 
 def test_token_slice_matches_the_concatenation():

@@ -67,7 +67,7 @@ def test_stop_token_ids_and_eos(tiny_hf_model_dir):
     assert out.finish_reason == "stop" and out.output_token_ids == ref[: first + 1]
     # The model's EOS (id 2 in the tiny config) stops unless ignore_eos.
     eos_eng = make_engine(path)
-    eos_eng.eos_token_ids = {stop_at}
+    eos_eng.output_processor.eos_token_ids = {stop_at}
     out = eos_eng.generate([random_prompt(10, seed=3)], SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert out.finish_reason == "stop" and out.output_token_ids == ref[: first + 1]
 
@@ -185,14 +185,14 @@ def test_an_exception_while_updating_one_request_fails_only_it(tiny_hf_model_dir
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     a = eng.add_request([5, 6, 7], GREEDY)
     b = eng.add_request([8, 9], GREEDY)
-    original = eng.detokenizer.step
+    original = eng.output_processor.detokenizer.step
 
     def broken(state, prompt, output):
         if eng.requests.get(a) is not None and prompt is eng.requests[a].prompt_token_ids:
             raise UnicodeError("broken tokenizer")
         return original(state, prompt, output)
 
-    eng.detokenizer.step = broken
+    eng.output_processor.detokenizer.step = broken
     done = run_to_completion(eng)
     assert done[a].finish_reason == "error" and "broken tokenizer" in done[a].error
     assert done[b].finish_reason == "length" and len(done[b].output_token_ids) == 32

@@ -1,0 +1,150 @@
+"""Building an engine: check the config, plan memory, load the model, profile, warm up, compile, and
+make the parts the engine steps with.
+
+The config phase runs on config files alone, before any weight is loaded: a mistake there is the
+user's to fix (EngineConfigError) and costs no load. On CUDA the memory plan is then redone against a
+measured profile forward (vLLM's profile run), the Triton kernels are compiled for the cache's block
+size, and with model.compile the forward is compiled in a warm-up, so no timed step waits for either.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig, EngineConfigError
+from engine.input_processor import InputProcessor
+from engine.kv_cache import KVCacheManager
+from engine.kv_spec import KVCacheSpec
+from engine.memory import MemoryPlan, plan_kv_cache, profile_peak_bytes, prompt_logprob_bytes, sampler_bytes
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.profiling import compile_forward, warm_up_kernels
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
+from engine.update import Updater
+from kernels import get_backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Planned:
+    """The config phase's result: what the run is, decided before any weight is loaded."""
+
+    arch: object  # models.ModelArch
+    device: torch.device
+    dtype: torch.dtype
+    kv_spec: KVCacheSpec
+    memory_plan: MemoryPlan
+    num_blocks: int
+    tokenizer: object
+
+
+@dataclass(slots=True)
+class EngineParts:
+    planned: Planned
+    model: torch.nn.Module
+    kernel_warmup_s: float  # seconds compiling the Triton kernels before the first step (CUDA)
+    compile_seconds: float | None  # model.compile: the warm-up's compile time
+    kv: KVCacheManager
+    scheduler: Scheduler
+    model_runner: ModelRunner
+    sampler: Sampler
+    structured: StructuredOutputManager
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    updater: Updater
+    requests: dict[str, Request] = field(default_factory=dict)
+
+
+def build(config: EngineConfig) -> EngineParts:
+    from models import load_model  # engine -> models
+
+    mc = config.model
+    planned = plan(config)
+    model = load_model(mc.path, mc.architecture, dtype=planned.dtype, device=planned.device, seed=mc.seed,
+                       random_weights=mc.random_weights)
+    warmup_s = 0.0
+    if planned.device.type == "cuda":
+        warmup_s = profile(config, model, planned)
+    compile_s = None
+    if mc.compile:
+        compile_s = compile_forward(model, mc.attention_backend)
+        log.info("compiled forward in %.1f s", compile_s)
+    return assemble(config, planned, model, warmup_s, compile_s)
+
+
+def plan(config: EngineConfig) -> Planned:
+    """Validate, resolve the device, dtype and architecture, plan memory, load the tokenizer."""
+    from models import load_tokenizer, resolve_architecture, resolve_device, resolve_dtype  # engine -> models
+
+    mc = config.model
+    try:  # a mistake here is the user's to fix, found before any weight is loaded
+        config.validate()
+        device = resolve_device(mc.device)
+        _dir, arch = resolve_architecture(mc.path, mc.architecture, mc.random_weights)
+        max_len = config.cache.max_model_len
+        if max_len > arch.max_position_embeddings:
+            raise EngineConfigError(
+                f"cache.max_model_len={max_len} exceeds the model's max_position_embeddings "
+                f"({arch.max_position_embeddings}); lower cache.max_model_len"
+            )
+        dtype = resolve_dtype(mc.dtype, device, arch)  # the one rule for dtype "auto"
+        spec = KVCacheSpec.build(config.cache, arch, dtype)
+        memory_plan, num_blocks = plan_kv_cache(config, arch, spec, device)
+        tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
+    except EngineConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise EngineConfigError(str(e)) from e
+    return Planned(arch, device, dtype, spec, memory_plan, num_blocks, tokenizer)
+
+
+def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> float:
+    """CUDA: measure the largest step instead of estimating it, compile the Triton kernels for the
+    cache's block size, and redo the memory plan against the free memory measured before loading.
+    Returns the kernels' warm-up seconds."""
+    mc, arch, max_len = config.model, planned.arch, config.cache.max_model_len
+    step = config.chunking.step_budget(config.max_num_seqs, max_len)
+    peak = profile_peak_bytes(model, step, max_len, mc.attention_backend)
+    warmup_s = 0.0
+    if get_backend(planned.device, mc.attention_backend) == "triton":
+        warmup_s = warm_up_kernels(model, max_len, config.max_num_seqs, step, mc.attention_backend,
+                                   block_size=planned.kv_spec.block_tokens)
+    peak += sampler_bytes(min(step, config.max_num_seqs), arch.vocab_size)
+    peak += prompt_logprob_bytes(arch.vocab_size)
+    planned.memory_plan, planned.num_blocks = plan_kv_cache(
+        config, arch, planned.kv_spec, planned.device, measured_activation_bytes=peak,
+        available_bytes=planned.memory_plan.available_bytes)
+    return warmup_s
+
+
+def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, warmup_s: float,
+             compile_s: float | None) -> EngineParts:
+    """The parts the engine steps with, around the loaded model."""
+    arch, tokenizer, device = planned.arch, planned.tokenizer, planned.device
+    max_len = config.cache.max_model_len
+    eos = set(arch.eos_token_ids or []) | set(getattr(tokenizer, "eos_token_ids", []) or [])
+    kv = KVCacheManager(planned.kv_spec, planned.num_blocks, device=device,
+                        prefix_caching=config.cache.prefix_caching_enabled)
+    scheduler = Scheduler(config, kv)
+    # Logprobs report top-k alternatives among the ids the tokenizer knows (a padded LM head is wider).
+    logprob_vocab = min(arch.vocab_size, getattr(tokenizer, "vocab_size", None) or arch.vocab_size)
+    runner = ModelRunner(model, kv, device, config.chunking.ubatch,
+                         attention_backend=config.model.attention_backend, logprob_vocab=logprob_vocab)
+    # Rows the sampler takes at once: what the memory plan budgets (memory.sampler_bytes).
+    rows = max(1, min(config.chunking.step_budget(config.max_num_seqs, max_len), config.max_num_seqs))
+    sampler = Sampler(config.seed, device, max_rows=rows, logprob_vocab=logprob_vocab)
+    structured = StructuredOutputManager(tokenizer, arch.vocab_size, sorted(eos))
+    output = OutputProcessor(tokenizer, eos, max_len)
+    requests: dict[str, Request] = {}
+    return EngineParts(
+        planned, model, warmup_s, compile_s, kv, scheduler, runner, sampler, structured,
+        InputProcessor(tokenizer, arch.vocab_size, max_len, kv, structured), output,
+        Updater(scheduler, kv, output, structured, runner.release, requests), requests,
+    )

@@ -1,0 +1,76 @@
+"""The input side of add_request: tokenise, validate, start the grammar's compile, make the Request.
+
+Bad input never raises: the request is made anyway, finished with finish_reason "error" and a message
+saying what to fix, and the engine reports it from its next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestMetrics, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv: KVCacheManager,
+                 structured: StructuredOutputManager) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.structured = structured
+        self._ids = itertools.count()
+        self._order = itertools.count()
+
+    def request_id(self, request_id: str | None) -> str:
+        """The id given, or the next free number."""
+        return str(next(self._ids)) if request_id is None else str(request_id)
+
+    def process(self, request_id: str, prompt: Sequence[int] | str, params: SamplingParams,
+                arrival_time: float) -> Request:
+        """A new request; a refused one comes back finished, with its error."""
+        error = None
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this request's error
+            ids, error = [], f"could not tokenize the prompt: {exc}"
+        req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))
+        try:
+            error = error or self.validate(req)
+            if error is None and params.structured is not None:  # compile starts now, off the step's path
+                error = self.structured.submit(req)
+        except Exception as exc:  # noqa: BLE001 - e.g. a params object of the wrong kind
+            error = f"invalid request: {type(exc).__name__}: {exc}"
+        if error:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason, req.error = "error", error
+        return req
+
+    def validate(self, req: Request) -> str | None:
+        """What is wrong with the request (None: nothing): its params, its prompt, its length."""
+        problems = req.params.problems()
+        if problems:
+            return "invalid sampling params: " + "; ".join(problems)
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "empty prompt: give at least one token"
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+        total = n + req.params.max_tokens
+        if total > self.max_model_len:
+            return (
+                f"prompt of {n} tokens + max_tokens={req.params.max_tokens} exceeds max_model_len="
+                f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise cache.max_model_len"
+            )
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            return (
+                f"prompt of {n} tokens + max_tokens={req.params.max_tokens} needs "
+                f"{self.kv.blocks_needed(total)} KV blocks but the cache has "
+                f"{self.kv.num_blocks}; raise cache.num_blocks or cache.memory_gb"
+            )
+        return None
