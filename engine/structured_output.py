@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from engine.grammar_vocab import VocabMasks, VocabularyError, tokenizer_info
+from engine.json_schema_support import json_schema_problem
 from engine.request import Request
 from engine.sampling_params import StructuredOutputs
 
@@ -86,6 +87,8 @@ def spec_error(so: StructuredOutputs) -> str | None:
     except ImportError:
         return _INSTALL_HINT
     kind, value = spec_of(so)
+    if kind == "json_schema" and (problem := json_schema_problem(value)):
+        return problem
     try:
         if kind == "json_schema":
             xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value), any_whitespace=False)
@@ -164,12 +167,14 @@ class StructuredOutputManager:
             import xgrammar  # noqa: F401
         except ImportError:
             return _INSTALL_HINT
-        kind, _ = spec_of(so)
+        kind, value = spec_of(so)
         key = cache_key(so)
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
         else:
+            if kind == "json_schema" and (problem := json_schema_problem(value)):
+                return problem  # a schema the grammar would not enforce: refused, never a wrong "stop"
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-grammar")
             future = self._pool.submit(self._compile, so)

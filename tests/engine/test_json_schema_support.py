@@ -163,3 +163,18 @@ def test_sampled_outputs_validate(tiny_engine):
             stopped[keyword] += 1
             assert valid(ENFORCED[keyword][0], json.loads(out.text)), (keyword, out.text)
     assert all(stopped.values()), stopped
+
+
+def test_a_request_with_an_unenforced_schema_fails_alone_before_compiling(tiny_engine):
+    from engine.structured_output import spec_error
+
+    bad = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    assert "uniqueItems" in spec_error(StructuredOutputs(json_schema=bad))  # the config-wide check
+    compiles = tiny_engine.structured.num_compiles
+    refused = tiny_engine.add_request(random_prompt(8, seed=1, vocab=256), SamplingParams(
+        max_tokens=8, structured=StructuredOutputs(json_schema=bad)))
+    plain = tiny_engine.add_request(random_prompt(8, seed=2, vocab=256), SamplingParams(max_tokens=4))
+    done = run_to_completion(tiny_engine)
+    assert done[refused].finish_reason == "error" and "uniqueItems" in done[refused].error
+    assert done[plain].finish_reason == "length"
+    assert tiny_engine.structured.num_compiles == compiles  # refused before any compile started
