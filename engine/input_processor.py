@@ -61,6 +61,10 @@ class InputProcessor:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+        bad = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return (f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                    f"remove them")
         total = n + req.params.max_tokens
         if total > self.max_model_len:
             return (

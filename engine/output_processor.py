@@ -66,9 +66,15 @@ class OutputProcessor:
         if detok is None:
             return
         try:
-            req.text += self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
+            tail = self.detokenizer.flush(detok, req.prompt_token_ids, req.output_token_ids)
         except Exception as exc:  # noqa: BLE001 - the detokenizer is what failed this request
             log.debug("request %s: final text not flushed: %s", req.request_id, exc)
+            return
+        req.text += tail
+        if req.params.stop:  # the released text is text too: a stop string in it cuts it
+            cut = find_stop(req.text, len(tail), req.params.stop)
+            if cut is not None:
+                req.text = req.text[:cut]
 
     # -- outputs ---------------------------------------------------------------------------------
     def token_output(self, req: Request, token: int, reason: str | None) -> RequestOutput | None:

@@ -112,6 +112,9 @@ class GrammarState:
     error: str | None = None  # set when the compile failed: the request fails with it
     exhausted: bool = False  # complete, with nothing further allowed (only when it has no stop token)
     after_ed: bool = False  # the text so far ends with the lead byte ED (see VocabMasks)
+    # Without a stop token, a complete grammar that could go on is not masked: a token it would take
+    # continues it, any other token is the model choosing to end here (the packed allowed tokens).
+    may_end: torch.Tensor | None = None
 
     def ready(self) -> bool:
         """Make the matcher (waiting for the compile if needed). False if the compile failed."""
@@ -123,10 +126,13 @@ class GrammarState:
             except Exception as exc:  # noqa: BLE001 - any compile failure is this request's error
                 self.error = _compile_error(self.kind, exc)
                 return False
-            if self.stop_ids:
-                self.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
-            else:  # no stop token in this vocabulary: the grammar ends the output itself
-                self.matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+            try:
+                if self.stop_ids:
+                    self.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
+                else:  # no stop token: the grammar ends when it allows nothing more or the model ends it
+                    self.matcher = xgr.GrammarMatcher(grammar)
+            except Exception as exc:  # noqa: BLE001 - e.g. a stop id the grammar's vocabulary lacks
+                self.error = f"{self.kind} cannot start: {type(exc).__name__}: {exc}"
         return self.error is None
 
     def fresh(self) -> GrammarState:
@@ -242,23 +248,25 @@ class StructuredOutputManager:
         if not rows:
             return
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        if len(rows) == 1:
-            states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
-        else:
-            if self._filler is None:
-                self._filler = xgr.BatchGrammarMatcher(max_threads=self.xgrammar_threads)
-            self._filler.batch_fill_next_token_bitmask([g.matcher for g in states], bitmask, indices=rows)
+        rows, states = self._fill(bitmask, rows, states)
+        if not rows:
+            return
         # The rest is batched over the grammar rows (per-row tensor ops would cost more than the fills).
         index = torch.tensor(rows)
         masks = bitmask[index]
         exhausted = ~masks.any(dim=1)  # nothing allowed: the grammar is complete and has no stop token
         codes = torch.tensor([(g.kind == "json_schema") + 2 * g.after_ed for g in states])
+        stops = _stop_bits(masks, states)  # a request's stop tokens are never filtered by the table
         masks &= self._masks.table[codes]
+        masks |= stops
         stuck = ~masks.any(dim=1) & ~exhausted
         bitmask[index] = masks
         keep = []
-        for i, g, ex, st in zip(rows, states, exhausted.tolist(), stuck.tolist()):
-            if ex and g.stop_ids:
+        for j, (i, g, ex, st) in enumerate(zip(rows, states, exhausted.tolist(), stuck.tolist())):
+            g.may_end = None
+            if not ex and not st and not g.stop_ids and g.matcher.is_completed():
+                g.may_end = masks[j].clone()  # complete, could go on: the model decides (see verdict)
+            elif ex and g.stop_ids:
                 # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
                 # complete: a token it needs is one of the request's stop_token_ids (or EOS).
                 g.error = (f"{g.kind} cannot continue: the tokens it needs next are stop tokens "
@@ -275,8 +283,10 @@ class StructuredOutputManager:
             )
 
     @staticmethod
-    def verdict(req: Request) -> tuple[str, str | None] | None:
-        """(finish_reason, error) when the request must end instead of taking its sampled token."""
+    def verdict(req: Request, token: int) -> tuple[str, str | None] | None:
+        """(finish_reason, error) when the request must end instead of taking its sampled token: its
+        grammar failed, allows nothing more, or is complete and the model drew a token it would not
+        take (the model's choice to end: a grammar without stop tokens)."""
         g = req.grammar
         if g is None:
             return None
@@ -284,7 +294,33 @@ class StructuredOutputManager:
             return "error", g.error
         if g.exhausted:
             return "stop", None
+        if g.may_end is not None and not (int(g.may_end[token >> 5]) >> (token & 31)) & 1:
+            return "stop", None
         return None
+
+    def _fill(self, bitmask: torch.Tensor, rows: list[int], states: list[GrammarState]):
+        """Fill the rows' masks (batched); a grammar whose fill raises fails alone (its error is set
+        and its row is left out), the others are filled one by one."""
+        import xgrammar as xgr
+
+        try:
+            if len(rows) == 1:
+                states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+            else:
+                if self._filler is None:
+                    self._filler = xgr.BatchGrammarMatcher(max_threads=self.xgrammar_threads)
+                self._filler.batch_fill_next_token_bitmask([g.matcher for g in states], bitmask, indices=rows)
+            return rows, states
+        except Exception:  # noqa: BLE001 - find the grammar at fault; the rest go on
+            kept_rows, kept = [], []
+            for i, g in zip(rows, states):
+                try:
+                    g.matcher.fill_next_token_bitmask(bitmask, i)
+                    kept_rows.append(i)
+                    kept.append(g)
+                except Exception as exc:  # noqa: BLE001
+                    g.error = f"{g.kind} failed: {type(exc).__name__}: {exc}"
+            return kept_rows, kept
 
     def accept(self, req: Request, token: int) -> bool:
         """Advance the request's matcher by its sampled token; True when the grammar has ended.
@@ -297,3 +333,18 @@ class StructuredOutputManager:
             raise RuntimeError(f"the {g.kind} grammar rejected token {token}, which its mask allowed")
         g.after_ed = token in self._masks.ends_with_ed
         return g.matcher.is_terminated()
+
+
+def _stop_bits(masks: torch.Tensor, states: list[GrammarState]) -> torch.Tensor:
+    """The bits of each row's stop tokens that its grammar allows now (packed like masks)."""
+    stops = torch.zeros_like(masks)
+    for j, g in enumerate(states):
+        for t in g.stop_ids:
+            if t >> 5 < masks.shape[1]:
+                stops[j, t >> 5] |= masks[j, t >> 5] & _bit(t & 31)
+    return stops
+
+
+def _bit(k: int) -> int:
+    """Bit k of a packed int32 word as an int32 value (bit 31 is the sign bit)."""
+    return (1 << k) - (1 << 32) if k == 31 else 1 << k

@@ -109,8 +109,8 @@ class Updater:
     def _take_token(self, req: Request, token: int, now: float) -> RequestOutput | None:
         """The sampled token joins the request; the step's output for it (None for an unfinished
         final_only request)."""
-        if req.grammar is not None:  # a failed compile, or a grammar with nothing left to allow
-            ended = self.structured.verdict(req)
+        if req.grammar is not None:  # a failed compile, a grammar with nothing left, the model's end
+            ended = self.structured.verdict(req, token)
             if ended is not None:
                 return self.end(req, ended[0], now, ended[1])
         req.output_token_ids.append(token)

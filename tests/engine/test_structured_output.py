@@ -291,10 +291,10 @@ def test_a_grammar_without_any_stop_token_ends_the_output_itself():
         logits = torch.zeros(1, 259)
         mgr.apply_masks(logits, [req])
         assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [token]
-        assert mgr.verdict(req) is None
+        assert mgr.verdict(req, token) is None
         mgr.accept(req, token)
     mgr.apply_masks(torch.zeros(1, 259), [req])
-    assert mgr.verdict(req) == ("stop", None)
+    assert mgr.verdict(req, 0) == ("stop", None)
 
 
 def test_model_without_tokenizer_files_stops_on_its_config_eos(tiny_hf_model_dir):
