@@ -73,6 +73,11 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "derive_weights"):
                 module.derive_weights()
 
+    def packed_weight_bytes(self) -> int:
+        """Host memory of the linear layers' packed weights (models/linear.py), held beside the Parameters:
+        what the CPU fast path adds to the model's footprint (0 on CUDA and for other dtypes)."""
+        return sum(m.packed_bytes() for m in self.modules() if isinstance(m, Linear))
+
     def set_deterministic(self, enabled: bool = True) -> None:
         """Batch-invariant mode (issue 22) for the model's own ops: a row's hidden state and logits are
         bitwise the same whatever other rows share the forward and however many there are. Linear layers

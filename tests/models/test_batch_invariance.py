@@ -115,6 +115,26 @@ def test_the_same_bits_at_one_and_two_threads(models, name):
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+def test_compiled_forward_is_batch_invariant_too():
+    """torch.compile: inductor's fused kernels round differently from eager (so compiled != eager, outside
+    the guarantee), but one graph serves every row count and its kernels are row-wise: a row's logits
+    still do not depend on the batch."""
+    cls, overrides = ARCHS["qwen3_odd"]
+    arch = {"architectures": [cls], **TINY_HF_MODELS["qwen3"][1], **overrides, "initializer_range": 0.08}
+    model = load_model(None, arch, torch.float32, "cpu", seed=1)
+    model.set_deterministic(True)
+    model.enable_compile()
+    gen = torch.Generator().manual_seed(0)
+    alone = run_batch(model, [([17], 0, 77)], 0)
+    for threads, n_others in [(1, 0), (1, 3), (2, 5), (2, 2), (1, 6)]:
+        seqs = [(torch.randint(3, 384, (int(torch.randint(1, 60, (), generator=gen)),), generator=gen).tolist(),
+                 0, 0) for _ in range(n_others)]
+        seqs.insert(n_others // 2, ([17], 0, 77))
+        with with_threads(threads):
+            got = run_batch(model, seqs, n_others // 2)
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1]), (threads, n_others)
+
+
 ROWS = [*range(1, 40), 41, 47, 64, 65, 129, 200, 257, 333]
 
 

@@ -186,3 +186,16 @@ def test_deterministic_refuses_what_cannot_hold_it():
     layer.deterministic = True
     with pytest.raises(RuntimeError, match="cannot run batch-invariant"), torch.inference_mode():
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_loader_packs_every_projection_and_the_lm_head():
+    from models import load_model
+    from tests.conftest import TINY_HF_MODELS
+
+    model = load_model(None, {"architectures": ["LlamaForCausalLM"], **TINY_HF_MODELS["llama"][1]}, torch.float32, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.arch.num_layers + 1 and all(m._packed is not None for m in linears)
+    assert model.packed_weight_bytes() == sum(m.weight.numel() * 4 for m in linears)
+    assert load_model(None, {"architectures": ["LlamaForCausalLM"], **TINY_HF_MODELS["llama"][1]},
+                      torch.bfloat16, "cpu").packed_weight_bytes() == 0
