@@ -1,18 +1,19 @@
 """Linear layers for CPU inference: oneDNN on a weight packed once, one path that is batch-invariant.
 
 On this CPU (AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12; benchmarks/linear_cpu.py)
-`F.linear` in fp32 is MKL's sgemm, which packs the weight on every call and reaches about 45% of
-oneDNN's speed. oneDNN's inner product (`mkldnn::_linear_pointwise`) on a weight reordered once into its
-blocked layout (`mkldnn::_reorder_linear_weight`, what inductor's CPU freezing does for a dynamic batch)
-runs 2-3x faster at every row count from 2 up. One row is its slow case (a GEMV kernel, ~3x slower than
-two rows), so a one-row call is padded to two.
+`F.linear` in fp32 is MKL's sgemm, which packs the weight on every call and runs at 40-50% of oneDNN's
+speed. oneDNN's inner product (`mkldnn::_linear_pointwise`) on a weight reordered once into its blocked
+layout (`mkldnn::_reorder_linear_weight`, what inductor's CPU freezing does for a dynamic batch) is
+2-3x faster than F.linear from 8 rows up (1-1.7x at one row, where both stream the weight).
 
 Batch invariance (issue 22): with the packed weight, a row's output is bitwise the same for every
 row count M >= 2, every position in the batch, any other rows, and every thread count tried (1, 2, 3,
 4, 8, 16): oneDNN blocks over rows and columns but reduces over K in one fixed order. Only M = 1 takes
-another kernel (when K >= 2048), and the padding to two rows above removes it. So the fast path is also
-the deterministic one; `check_batch_invariance` re-proves it for a weight at start-up, and the tests
-prove it for the model shapes.
+another kernel, which reduces in another order when K >= 2048, so a one-row call is padded to two rows
+(~5% of a one-sequence decode step; nothing from two rows up). So the fast path is also the
+deterministic one; `check_batch_invariance` re-proves it for a weight at start-up, and the tests prove
+it for the model shapes. MKL's F.linear is not invariant: M = 1, 2-3 and >= 4 give three different
+results for one row (and 7 joins 2-3 at 2 threads).
 
 Everything else (CUDA, other dtypes, no oneDNN, autograd) is plain `F.linear`, unchanged.
 """
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.config import ModelArch
+
 # oneDNN builds one primitive per (weight shape, row count) and keeps 1024 of them; an engine's steps
 # have up to ~budget distinct row counts per shape, and a miss costs ~0.3 ms of primitive creation.
 # Read once, when oneDNN first runs: effective only if nothing used oneDNN before this import.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
-MIN_ROWS = 2  # oneDNN's one-row kernel is slower and reduces in another order: pad to two rows
+MIN_ROWS = 2  # oneDNN's one-row kernel reduces in another order (K >= 2048): pad to two rows
 
 _keys = itertools.count()
 _modules: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
@@ -162,6 +165,17 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             return cpu_linear_op(x, self.weight, self.bias, self._key)
         return self.packed_forward(x)
+
+
+def packed_bytes_estimate(arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> int:
+    """What the packed copies will add to a model's host memory, from its shapes alone (for a memory
+    plan made before loading): every projection and the LM head (a tied one too: the embedding keeps its
+    dense copy), in float32; 0 where nothing is packed (CUDA, other dtypes, no oneDNN)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or not _ONEDNN:
+        return 0
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    per_layer = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads) + 3 * h * i
+    return 4 * (arch.num_layers * per_layer + arch.vocab_size * h)
 
 
 @torch.no_grad()

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.linear import Linear, check_batch_invariance, onednn_available, verify_batch_invariance
+from models.linear import (
+    Linear,
+    check_batch_invariance,
+    onednn_available,
+    packed_bytes_estimate,
+    verify_batch_invariance,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs torch built with oneDNN")
 
@@ -189,13 +195,17 @@ def test_deterministic_refuses_what_cannot_hold_it():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_loader_packs_every_projection_and_the_lm_head():
+@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_the_loader_packs_every_projection_and_the_lm_head(family, cls):
+    """llama's LM head is its own weight; qwen3's is tied to the embedding (which keeps its dense copy)."""
     from models import load_model
     from tests.conftest import TINY_HF_MODELS
 
-    model = load_model(None, {"architectures": ["LlamaForCausalLM"], **TINY_HF_MODELS["llama"][1]}, torch.float32, "cpu")
+    arch = {"architectures": [cls], **TINY_HF_MODELS[family][1]}
+    model = load_model(None, arch, torch.float32, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * model.arch.num_layers + 1 and all(m._packed is not None for m in linears)
     assert model.packed_weight_bytes() == sum(m.weight.numel() * 4 for m in linears)
-    assert load_model(None, {"architectures": ["LlamaForCausalLM"], **TINY_HF_MODELS["llama"][1]},
-                      torch.bfloat16, "cpu").packed_weight_bytes() == 0
+    assert model.packed_weight_bytes() == packed_bytes_estimate(model.arch, torch.float32, "cpu")
+    assert packed_bytes_estimate(model.arch, torch.bfloat16, "cpu") == 0
+    assert load_model(None, arch, torch.bfloat16, "cpu").packed_weight_bytes() == 0
