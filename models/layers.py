@@ -16,12 +16,41 @@ from torch import nn
 from kernels import AttentionMetadata, attention
 from models.attention_op import attention_op
 from models.config import ModelArch
+from models.linear import Linear
 
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+}
+
+
+# The same activations for the batch-invariant mode, written with exp / tanh / erf. F.silu and F.gelu run a
+# vectorised loop and a scalar one for the remainder, which round differently (Sleef vs libm); where the
+# remainder falls depends on the row count and on where the threads cut the tensor, so a row's activation
+# changed with the batch (measured: SiLU at width 1000, GELU-tanh at 2730, 2 threads). torch's CPU exp,
+# tanh and erf (vml) run every element through the same vector code. Within an ulp of the fused forms.
+def _silu_invariant(x: torch.Tensor) -> torch.Tensor:
+    denominator = torch.exp(-x)
+    denominator += 1
+    return x / denominator
+
+
+def _gelu_tanh_invariant(x: torch.Tensor) -> torch.Tensor:
+    inner = math.sqrt(2 / math.pi) * (x + 0.044715 * (x * x * x))
+    return 0.5 * x * (1 + torch.tanh(inner))
+
+
+def _gelu_erf_invariant(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.erf(x * math.sqrt(0.5)))
+
+
+INVARIANT_ACTIVATIONS = {
+    "silu": _silu_invariant,
+    "gelu_pytorch_tanh": _gelu_tanh_invariant,
+    "gelu_tanh": _gelu_tanh_invariant,
+    "gelu": _gelu_erf_invariant,
 }
 
 
@@ -135,7 +164,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(Linear):
     """One Linear whose output rows are several checkpoint projections stacked (q|k|v, gate|up): one
     matmul instead of several. `shards` names them in order with their row counts; the loader copies
     each checkpoint tensor into its rows (models/loader.py), so HF checkpoints load unchanged."""
@@ -154,19 +183,23 @@ class PackedLinear(nn.Linear):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up as one packed matmul."""
+    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. `deterministic`: the activation's
+    batch-invariant form (INVARIANT_ACTIVATIONS; CausalLM.set_deterministic sets it)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
         self.gate_up_proj = PackedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.invariant_act = INVARIANT_ACTIVATIONS[act]
+        self.deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        act = self.invariant_act if self.deterministic else self.act
+        return self.down_proj(act(gate) * up)
 
 
 class Attention(nn.Module):
@@ -181,7 +214,7 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(
             h, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
         )
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)

@@ -8,14 +8,14 @@ loader fills from the checkpoint's separate tensors (models/loader.py, checkpoin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata
 from models.attention_op import attention_context
 from models.config import ModelArch
 from models.gemma3 import Gemma3DecoderLayer
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import MLP, RMSNorm, RotaryEmbedding
+from models.linear import Linear, verify_batch_invariance
 from models.llama import LlamaDecoderLayer
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
         self.rope = {
             t: RotaryEmbedding(p, arch.head_dim, arch.max_position_embeddings)
@@ -59,6 +59,7 @@ class CausalLM(nn.Module):
             else None
         )
         self._compiled = None  # the torch.compile'd _forward once enable_compile() ran
+        self.deterministic = False  # set_deterministic
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
@@ -71,6 +72,27 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "derive_weights"):
                 module.derive_weights()
+
+    def packed_weight_bytes(self) -> int:
+        """Host memory of the linear layers' packed weights (models/linear.py), held beside the Parameters:
+        what the CPU fast path adds to the model's footprint (0 on CUDA and for other dtypes)."""
+        return sum(m.packed_bytes() for m in self.modules() if isinstance(m, Linear))
+
+    def set_deterministic(self, enabled: bool = True) -> None:
+        """Batch-invariant mode (issue 22) for the model's own ops: a row's hidden state and logits are
+        bitwise the same whatever other rows share the forward and however many there are. Linear layers
+        already are on their packed CPU path (models/linear.py), which this checks now for every weight
+        shape at the current thread count, raising where it cannot hold (CUDA, non-float32, no oneDNN);
+        the MLP activation switches to its exp/tanh form (models/layers.py, INVARIANT_ACTIVATIONS).
+        Norms, RoPE, embeddings and the residual stream are row-wise as they are (tests/models/
+        test_batch_invariance.py). Attention is the kernel's business (kernels/)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if enabled:
+            verify_batch_invariance(linears)
+        for module in self.modules():
+            if isinstance(module, (Linear, MLP)):
+                module.deterministic = enabled
+        self.deterministic = enabled
 
     def enable_compile(self) -> None:
         """Run the forward through torch.compile from now on (inductor: C++ on CPU, Triton on CUDA).
@@ -133,7 +155,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that sample; float32 out (softcapped for Gemma when configured)."""
-        logits = F.linear(hidden, self.lm_head.weight).float()
+        logits = self.lm_head(hidden).float()
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

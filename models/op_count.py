@@ -19,6 +19,10 @@ VIEW_OPS = frozenset(
     )
 )  # fmt: skip
 
+# The GEMM of a linear layer: torch's (MKL on the CPU, cuBLAS on CUDA) or oneDNN's on a packed weight
+# (models/linear.py, CPU fp32).
+MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "mkldnn._linear_pointwise"})
+
 
 class AtenOpCounter(TorchDispatchMode):
     """Records every aten op dispatched inside the `with` block, by op name, under the current scope."""
@@ -99,7 +103,8 @@ def decode_batch(model, context_lens: list[int], block_size: int = 16) -> tuple:
 
 def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int = 16) -> dict[str, float]:
     """What a compiled decode forward launches, from inductor's generated code: fused kernels
-    (`cpp_fused_*` on CPU, Triton kernels on CUDA), library calls (`extern_kernels.mm`/`addmm`) and the
+    (`cpp_fused_*` on CPU, Triton kernels on CUDA), library calls (`extern_kernels.mm`/`addmm`, or
+    `ladle::cpu_linear`, the packed oneDNN linear of models/linear.py) and the
     attention custom op, per decoder layer (the graph's total / layers, so the embedding and the final
     norm are spread over the layers: an upper bound). The attention op runs its own eager ops inside.
 
@@ -121,7 +126,7 @@ def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int =
         for name in re.findall(r"^\s+(?:\w+ = )?([\w.]+)(?:\.run)?\(", body, re.MULTILINE):
             if name.startswith(("cpp_fused", "triton_")):
                 calls["fused"] += 1
-            elif name.startswith("extern_kernels."):
+            elif name.startswith(("extern_kernels.", "torch.ops.ladle.cpu_linear")):
                 calls["library"] += 1
             elif name.startswith("torch.ops.ladle.attention"):
                 calls["attention"] += 1
