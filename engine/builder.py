@@ -68,7 +68,11 @@ def build(config: EngineConfig) -> EngineParts:
     mc = config.model
     planned = plan(config)
     model = load_model(mc.path, mc.architecture, dtype=planned.dtype, device=planned.device, seed=mc.seed,
-                       random_weights=mc.random_weights)
+                       random_weights=mc.random_weights,
+                       pack_linear=planned.memory_plan.packed_weight_bytes > 0 or planned.device.type != "cpu")
+    if model.packed_weight_bytes() == 0 and planned.device.type == "cpu" and planned.dtype == torch.float32:
+        log.warning("linear layers run unpacked (~2x slower GEMMs): their packed copies do not fit in "
+                    "memory beside the weights and the KV cache")
     warmup_s = 0.0
     if planned.device.type == "cuda":
         warmup_s = profile(config, model, planned)

@@ -48,6 +48,7 @@ class MemoryPlan:
     kv_tokens: int  # tokens the KV cache will hold
     available_bytes: int
     device: str
+    packed_weight_bytes: int = 0  # of weights_bytes: the CPU linear layers' packed copies (0: not packed)
 
     @property
     def kv_bytes(self) -> int:
@@ -103,15 +104,16 @@ def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max
 
 def plan_memory(shape: ModelShape, spec: KVCacheSpec, *, device: str, available_bytes: int, step_tokens: int,
                 max_num_seqs: int, kv_tokens_wanted: int, kv_size_given: bool,
-                measured_activation_bytes: int | None = None) -> MemoryPlan:
+                measured_activation_bytes: int | None = None, packed_weight_bytes: int = 0) -> MemoryPlan:
     """The memory the run will take, the KV cache sized to fit; raises InsufficientMemory naming the fixes.
 
     kv_tokens_wanted: what the config asks for (explicit size, or enough for every sequence at full
     length within the default cap). kv_size_given: the user set cache.num_blocks / memory_gb, so the
-    cache is not shrunk behind their back: it must fit as asked.
+    cache is not shrunk behind their back: it must fit as asked. packed_weight_bytes: the CPU linear
+    layers' packed copies held beside the weights (models/linear.py).
     """
     elem = spec.element_size  # weights and KV cache share the model's dtype
-    weights = shape.num_parameters * elem
+    weights = shape.num_parameters * elem + packed_weight_bytes
     act = measured_activation_bytes if measured_activation_bytes is not None else activation_bytes(
         shape, step_tokens, max_num_seqs, spec.max_model_len, elem)
     per_token, block = spec.bytes_per_token, spec.block_tokens
@@ -120,7 +122,7 @@ def plan_memory(shape: ModelShape, spec: KVCacheSpec, *, device: str, available_
     kv_tokens = kv_tokens_wanted
     if not kv_size_given and room < kv_tokens * per_token:
         kv_tokens = max(0, room // per_token // block * block)
-    plan = MemoryPlan(weights, act, per_token, kv_tokens, available_bytes, device)
+    plan = MemoryPlan(weights, act, per_token, kv_tokens, available_bytes, device, packed_weight_bytes)
     if plan.total_bytes > available_bytes or kv_tokens < min(min_tokens, kv_tokens_wanted):
         raise InsufficientMemory(_explain(plan, max(kv_tokens_wanted, min_tokens), elem, kv_size_given))
     return plan
@@ -229,12 +231,32 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
             wanted = min(wanted, int(CPU_KV_CAP_GB * GIB) // page * block_tokens)
     if available_bytes is None:
         available_bytes = _available(device)
-    plan = plan_memory(
-        shape_of(arch), spec, device=str(device), available_bytes=available_bytes,
-        step_tokens=config.chunking.step_budget(config.max_num_seqs, cache.max_model_len),
-        max_num_seqs=config.max_num_seqs, kv_tokens_wanted=wanted, kv_size_given=given,
-        measured_activation_bytes=measured_activation_bytes)
+    def plan_with(packed: int) -> MemoryPlan:
+        return plan_memory(
+            shape_of(arch), spec, device=str(device), available_bytes=available_bytes,
+            step_tokens=config.chunking.step_budget(config.max_num_seqs, cache.max_model_len),
+            max_num_seqs=config.max_num_seqs, kv_tokens_wanted=wanted, kv_size_given=given,
+            measured_activation_bytes=measured_activation_bytes, packed_weight_bytes=packed)
+
+    packed = _packed_bytes(arch, spec, device)
+    try:
+        plan = plan_with(packed)
+    except InsufficientMemory:
+        if not packed:
+            raise
+        # The packed copies double the weights' memory: without them the GEMMs are ~2x slower, but
+        # the model still runs where it fits (the plan says so; the builder loads it unpacked).
+        plan = plan_with(0)
     return plan, max(1, plan.kv_tokens // block_tokens)
+
+
+def _packed_bytes(arch, spec: KVCacheSpec, device) -> int:
+    """The packed linear weights the CPU fast path adds (float32 only: the KV cache shares the dtype)."""
+    import torch
+
+    from models.linear import packed_bytes_estimate
+
+    return packed_bytes_estimate(arch, torch.float32, device) if spec.element_size == 4 else 0
 
 
 def _available(device) -> int:

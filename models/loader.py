@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelArch, arch_from_config
+from models.linear import Linear
 from models.model import CausalLM
 
 
@@ -182,6 +183,7 @@ def load_model(
     device: torch.device | str,
     seed: int = 0,
     random_weights: bool = False,
+    pack_linear: bool = True,
 ) -> CausalLM:
     """Build a supported causal LM with the weights of `path`, or random ones when asked for.
 
@@ -195,6 +197,10 @@ def load_model(
     device = resolve_device(device)
     model_dir, arch = resolve_architecture(path, architecture, random_weights)
     model = build_model(arch, resolve_dtype(dtype, device, arch), device)
+    if not pack_linear:  # the memory plan has no room for the packed copies (models/linear.py)
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_packed = False
     files = weight_files(model_dir) if model_dir is not None and not random_weights else []
     if model_dir is not None and not random_weights and not files:
         raise FileNotFoundError(

@@ -38,7 +38,7 @@ def test_qwen3_4b_fp32_on_a_24_gib_machine_with_other_work_is_refused_with_the_n
     with pytest.raises(InsufficientMemory) as err:
         plan_for(_config(memory_gb=4.0), 4, available_bytes=18 * GIB)
     msg = str(err.value)
-    assert "weights 15.0 GiB" in msg and "18.0 GiB of available host memory" in msg
+    assert "weights 15.0 GiB" in msg  # the packed copies are dropped first (they do not fit either) and "18.0 GiB of available host memory" in msg
     assert "model.dtype=bfloat16" in msg and "cache.memory_gb" in msg and "smaller model" in msg
 
 
@@ -108,3 +108,12 @@ def test_prompt_logprob_logits_are_budgeted(monkeypatch):
     assert max(widths) * vocab * 12 <= prompt_logprob_bytes(vocab) < 400 * 2**20
     s = shape_of(_arch())
     assert activation_bytes(s, 256, 64, 4096, 2) >= 2 * sampler_bytes(64, vocab) + prompt_logprob_bytes(vocab)
+
+
+def test_the_packed_linear_copies_are_planned_and_dropped_when_they_do_not_fit():
+    """The CPU fast path holds a packed copy of every fp32 linear weight beside it (models/linear.py):
+    the plan counts it where it fits and plans without it (slower GEMMs, same outputs) where not."""
+    roomy, _ = plan_for(_config(), 4, available_bytes=64 * GIB)
+    tight, _ = plan_for(_config(), 4, available_bytes=int(17.5 * GIB))
+    assert roomy.packed_weight_bytes > 10 * GIB and roomy.weights_bytes > 25 * GIB
+    assert tight.packed_weight_bytes == 0 and tight.weights_bytes < 16 * GIB
