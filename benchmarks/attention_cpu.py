@@ -104,7 +104,7 @@ def main() -> None:
     if args.quick:
         args.repeats, args.decode_batches, args.decode_contexts = 3, "1,32", "128,1024"
         args.chunks, args.chunk_contexts = "128", "0,2048"
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]
     info = build_info()
     print(f"kernel: {info}")
     print(f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, fp32, block {BLOCK}; "

@@ -71,7 +71,7 @@ def _compile(cxx: str, flags: list[str], out: Path) -> None:
     try:
         src.write_text(SOURCE)
         cmd = [cxx, *flags, str(src), "-o", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
         os.replace(tmp, out)
@@ -84,7 +84,7 @@ def _build() -> ctypes.CDLL:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     errors = []
     for arch in ARCH_FLAGS:
         flags = [*BASE_FLAGS, *arch, f"-DLADLE_TILE={TILE}"]

@@ -29,6 +29,11 @@ SOURCE = r"""
 #ifndef LADLE_TILE
 #define LADLE_TILE 32
 #endif
+#ifdef LADLE_PROFILE
+#define LADLE_HOT __attribute__((noinline))
+#else
+#define LADLE_HOT
+#endif
 #ifndef LADLE_PF
 #define LADLE_PF 1
 #endif
@@ -242,18 +247,37 @@ inline V load16<float>(const float* p, int n) { return n >= 16 ? vload(p) : vloa
 
 // Cache lines of the next tile, requested a few at a time from inside the compute loops so that
 // reading one tile overlaps the arithmetic of the previous one (requesting them all at once fills the
-// core's miss buffers and stalls it until they arrive).
+// core's miss buffers and stalls it until they arrive). Lines are walked key by key: the key's K row,
+// then its V row.
 struct Prefetcher {
-  std::vector<const char*> lines;
-  size_t next = 0;
-  void clear() {
-    lines.clear();
-    next = 0;
+  const char* k = nullptr;  // K plane + head offset, in bytes
+  const char* v = nullptr;
+  const int64_t* off = nullptr;  // element offsets of the keys' rows
+  int64_t es = 4;
+  int j = 0, end = 0, line = 0, lines = 0;  // cursor: key j, line of its K (then V) row
+  void clear() { j = end = 0; }
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int row_bytes, int ks, int ke) {
+    k = kc;
+    v = vc;
+    off = o;
+    es = elem;
+    j = ks;
+    end = ke;
+    line = 0;
+    lines = (row_bytes + 63) / 64;
   }
-  inline void issue(int k) {
-    for (; k > 0 && next < lines.size(); --k) __builtin_prefetch(lines[next++], 0, 3);
+  inline void issue(int n) {
+    if (!LADLE_PF) return;
+    for (; n > 0 && j < end; --n) {
+      const int64_t at = off[j] * es + int64_t(line < lines ? line : line - lines) * 64;
+      __builtin_prefetch((line < lines ? k : v) + at, 0, 3);
+      if (++line == 2 * lines) {
+        line = 0;
+        ++j;
+      }
+    }
   }
-  void flush() { issue(int(lines.size())); }
+  void flush() { issue(1 << 30); }
 };
 
 // ---------------------------------------------------------------- arguments
@@ -335,7 +359,7 @@ inline void qk_dispatch(const float* qp, int dp, const float* kt, int d_len, flo
   }
 }
 
-inline void qk_all(const float* qp, int dp, int rows, const float* kt, int d_len, float* s, Prefetcher& pf) {
+LADLE_HOT inline void qk_all(const float* qp, int dp, int rows, const float* kt, int d_len, float* s, Prefetcher& pf) {
   for (int r = 0; r < rows; r += QK_ROWS) {
     const int n = std::min(QK_ROWS, rows - r);
     qk_dispatch(qp + size_t(r) * dp, dp, kt, d_len, s + size_t(r) * TILE, n, pf);
@@ -377,7 +401,7 @@ inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, c
   if (tail) pv_rows<R, 1, true>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * full, tail, pf);
 }
 
-inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
+LADLE_HOT inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
                      int jlo, int jhi, int d_len, int rows, Prefetcher& pf) {
   switch (rows) {
     case 1: return pv_group_r<1>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
@@ -408,20 +432,14 @@ struct Kernel {
 
   // The K and V lines of head h of the keys [ks, ke) of a tile at offsets off, for the prefetcher.
   void plan_prefetch(const int64_t* off, int ks, int ke, int h, Prefetcher& pf) const {
-    pf.clear();
-    const char* kc = static_cast<const char*>(a.k_cache);
-    const char* vc = static_cast<const char*>(a.v_cache);
-    const int64_t es = sizeof(KT), lo = int64_t(h) * D * es, hi = lo + int64_t(D) * es;
-    for (int j = ks; j < ke; ++j)
-      for (int64_t x = lo; x < hi; x += 64) {
-        pf.lines.push_back(kc + off[j] * es + x);
-        pf.lines.push_back(vc + off[j] * es + x);
-      }
+    const int64_t es = sizeof(KT), hoff = int64_t(h) * D * es;
+    pf.plan(static_cast<const char*>(a.k_cache) + hoff, static_cast<const char*>(a.v_cache) + hoff, off, es,
+            int(D * es), ks, ke);
   }
 
   // Keys [ks, ke) of a tile (rows at off, head at element hoff), transposed into kt [Dp][TILE] (zeros
   // elsewhere); value row pointers into the cache (fp32) or into vc (converted) for the same keys.
-  void pack_tile(const int64_t* off, int64_t hoff, int ks, int ke, Scratch& s) const {
+  LADLE_HOT void pack_tile(const int64_t* off, int64_t hoff, int ks, int ke, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     const KT* krow[TILE];
@@ -461,7 +479,7 @@ struct Kernel {
 
   // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
   // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
-  void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
+  LADLE_HOT void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
     float* row = s.p.data() + size_t(r) * TILE;
     V sv[TV];
     Mask mask[TV];
@@ -498,7 +516,7 @@ struct Kernel {
   int64_t row_token(const Item& it, int qs, int nqg, int r) const { return qs + it.i0 + (r % nqg) / G; }
   int64_t row_head(const Item& it, int nqg, int r) const { return int64_t(it.h0 + r / nqg) * G + (r % nqg) % G; }
 
-  void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
+  LADLE_HOT void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
     const float qmul = a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e;
     for (int r = 0; r < rows; ++r) {
       float* dst = s.qp.data() + size_t(r) * Dp;
@@ -640,6 +658,13 @@ std::vector<Item> make_items(const Args& a) {
   return items;
 }
 
+// Per-thread buffers, kept between calls. Reached through one call per thread and call: a
+// thread_local used directly in the loops costs a __tls_get_addr call per access in a shared library.
+__attribute__((noinline)) Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
 template <class KT>
 void run_items(const Args& a, const std::vector<Item>& items) {
   const Kernel<KT> k{a, a.num_heads / a.num_kv_heads, a.head_dim, round16(a.head_dim)};
@@ -647,7 +672,7 @@ void run_items(const Args& a, const std::vector<Item>& items) {
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, n)));
   std::atomic<int64_t> next{0};
   auto work = [&]() {
-    static thread_local Scratch s;
+    Scratch& s = thread_scratch();
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) k.run(items[i], s);
   };
   if (threads == 1) {
