@@ -80,32 +80,41 @@ def _compile(cxx: str, flags: list[str], out: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _build() -> ctypes.CDLL:
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ladle_attention_isa.restype = ctypes.c_char_p
+    lib.ladle_paged_attention.restype = ctypes.c_int
+    lib.ladle_paged_attention.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> tuple[ctypes.CDLL, Path]:
+    """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
+    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
+    flags = [*BASE_FLAGS, *arch_flags, f"-DLADLE_TILE={TILE}"]
+    key = hashlib.sha256("\0".join([SOURCE, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    path = (directory or cache_dir()) / f"libladle_attention_{key[:20]}.so"
+    if not path.exists():
+        start = time.perf_counter()
+        log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
+        _compile(cxx, flags, path)
+        _state["build_seconds"] = time.perf_counter() - start
+        log.info("built %s in %.1f s", path, _state["build_seconds"])
+    return _open(path), path
+
+
+def _build() -> ctypes.CDLL:
     errors = []
     for arch in ARCH_FLAGS:
-        flags = [*BASE_FLAGS, *arch, f"-DLADLE_TILE={TILE}"]
-        key = hashlib.sha256("\0".join([SOURCE, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
-        path = cache_dir() / f"libladle_attention_{key[:20]}.so"
-        if not path.exists():
-            start = time.perf_counter()
-            log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
-            try:
-                _compile(cxx, flags, path)
-            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                errors.append(str(e))
-                continue
-            _state["build_seconds"] = time.perf_counter() - start
-            log.info("built %s in %.1f s", path, _state["build_seconds"])
-        lib = ctypes.CDLL(str(path))
-        lib.ladle_attention_isa.restype = ctypes.c_char_p
-        lib.ladle_paged_attention.restype = ctypes.c_int
-        lib.ladle_paged_attention.argtypes = [ctypes.c_void_p]
-        _state["path"] = path
-        return lib
+        try:
+            lib, _state["path"] = build_library(arch)
+            return lib
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            errors.append(str(e))
     raise RuntimeError("\n".join(errors))
 
 

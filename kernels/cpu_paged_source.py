@@ -22,34 +22,33 @@ SOURCE = r"""
 #include <utility>
 #include <vector>
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #ifndef LADLE_TILE
 #define LADLE_TILE 32
 #endif
-#ifdef LADLE_PROFILE
-#define LADLE_HOT __attribute__((noinline))
+#ifndef LADLE_PACKED_ROWS  // measured: 6 with 32 registers of 16 lanes, 1 with 16 registers of 8
+#if defined(__AVX512F__)
+#define LADLE_PACKED_ROWS 6
 #else
-#define LADLE_HOT
+#define LADLE_PACKED_ROWS 1
 #endif
-#ifndef LADLE_PF
-#define LADLE_PF 1
 #endif
-#ifndef LADLE_PFH
-#define LADLE_PFH 3
+#ifndef LADLE_ROWWISE_MAX
+#define LADLE_ROWWISE_MAX 4
 #endif
-#ifndef LADLE_GROUP
-#define LADLE_GROUP 1
-#endif
+// The packed score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
+#define LADLE_INLINE __attribute__((always_inline)) inline
 
 namespace {
 
 constexpr int TILE = LADLE_TILE;
 static_assert(TILE % 16 == 0 && TILE >= 16 && TILE <= 64, "TILE must be 16, 32, 48 or 64");
 constexpr int TV = TILE / 16;       // 16-lane vectors per tile row
-constexpr int QK_ROWS = 16 / TV;    // query rows per QK micro-kernel (16 accumulators)
+constexpr int PACKED_ROWS = LADLE_PACKED_ROWS;  // query rows per packed score micro-kernel
+constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
 constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -126,7 +125,143 @@ inline void transpose16(V* r) {
     r[12 + c].x = _mm512_shuffle_f32x4(y, y2, 0xDD);
   }
 }
+// out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
+inline V fold16(const V* a) {
+  __m512 x[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k)  // T: lanes l + l+8; x[k] = [T(a[2k]) | T(a[2k+1])]
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0xEE));
+  for (int k = 0; k < 4; ++k)  // U: l + l+4; 128-bit lane q of y[k] = U(a[4k + q])
+    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {  // W: l + l+2; lane q of z[k] = [W(a[8k + q]), W(a[8k + 4 + q])]
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
+    z[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // s: l + l+1; lane 4q + m holds a[4m + q]. Then put a[i] in lane i (a permutation: exact).
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(idx, s)};
+}
 #define LADLE_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+// Two 8-lane halves; the same operations lane by lane (and the same trees) as the AVX-512 version.
+struct V { __m256 lo, hi; };
+using Mask = uint32_t;
+inline __m256 half_mask(uint32_t bits8) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i b = _mm256_set1_epi32(int(bits8));
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, lane), lane));
+}
+inline __m256i count_mask(int n) {  // lanes < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V vload_n(const float* p, int n) {
+  return {_mm256_maskload_ps(p, count_mask(n)), _mm256_maskload_ps(p + 8, count_mask(n - 8))};
+}
+inline void vstore(float* p, V a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V operator+(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V operator-(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V operator*(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V operator/(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V vabs(V a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+inline V vselect(Mask m, V a, V b) {
+  return {_mm256_blendv_ps(b.lo, a.lo, half_mask(m & 0xffu)), _mm256_blendv_ps(b.hi, a.hi, half_mask(m >> 8))};
+}
+inline Mask vlt(V a, V b) {
+  return Mask(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ))) |
+         Mask(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))) << 8;
+}
+inline V vround(V a) {
+  constexpr int m = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, m), _mm256_round_ps(a.hi, m)};
+}
+// p * 2^n for integral n in [-126, 126] (2^n is then a normal float, the product rounds once).
+inline V vldexp(V p, V n) {
+  auto pow2 = [](__m256 e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127)), 23));
+  };
+  return {_mm256_mul_ps(p.lo, pow2(n.lo)), _mm256_mul_ps(p.hi, pow2(n.hi))};
+}
+inline V vcopysign(V mag, V sgn) {
+  const __m256 s = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+  return {_mm256_or_ps(_mm256_andnot_ps(s, mag.lo), _mm256_and_ps(s, sgn.lo)),
+          _mm256_or_ps(_mm256_andnot_ps(s, mag.hi), _mm256_and_ps(s, sgn.hi))};
+}
+inline float vhsum(V a) {
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float vhmax(V a) {
+  const __m256 s8 = _mm256_max_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_max_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_max_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline Mask lanes_in(int lo, int hi) {
+  lo = std::clamp(lo, 0, 16);
+  hi = std::clamp(hi, 0, 16);
+  if (hi <= lo) return 0;
+  return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+inline V fold16(const V* a) {
+  alignas(32) float out[16];
+  for (int i = 0; i < 16; ++i) out[i] = vhsum(a[i]);
+  return vload(out);
+}
+// 8x8 transpose of r[0..7] in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+// 16x16 transpose of r[0..15] in place, as four 8x8 blocks.
+inline void transpose16(V* r) {
+  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 lo/hi, rows 8-15 lo/hi
+  for (int i = 0; i < 8; ++i) {
+    a[i] = r[i].lo;
+    b[i] = r[i].hi;
+    c[i] = r[8 + i].lo;
+    d[i] = r[8 + i].hi;
+  }
+  transpose8(a);
+  transpose8(b);
+  transpose8(c);
+  transpose8(d);
+  for (int i = 0; i < 8; ++i) {
+    r[i] = {a[i], c[i]};
+    r[8 + i] = {b[i], d[i]};
+  }
+}
+#define LADLE_ISA "avx2"
 #else
 struct V { float x[16]; };
 using Mask = uint32_t;
@@ -173,6 +308,7 @@ inline Mask lanes_in(int lo, int hi) {
   for (int l = 0; l < 16; ++l) m |= Mask(l >= lo && l < hi) << l;
   return m;
 }
+inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
 #define LADLE_ISA "generic"
 #endif
 
@@ -254,30 +390,29 @@ struct Prefetcher {
   const char* v = nullptr;
   const int64_t* off = nullptr;  // element offsets of the keys' rows
   int64_t es = 4;
-  int j = 0, end = 0, line = 0, lines = 0;  // cursor: key j, line of its K (then V) row
+  int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
   void clear() { j = end = 0; }
-  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int row_bytes, int ks, int ke) {
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int ks, int ke) {
     k = kc;
     v = vc;
     off = o;
     es = elem;
     j = ks;
     end = ke;
-    line = 0;
-    lines = (row_bytes + 63) / 64;
+    row_bytes = bytes;
   }
+  // The K and V rows of the next n keys.
   inline void issue(int n) {
-    if (!LADLE_PF) return;
-    for (; n > 0 && j < end; --n) {
-      const int64_t at = off[j] * es + int64_t(line < lines ? line : line - lines) * 64;
-      __builtin_prefetch((line < lines ? k : v) + at, 0, 3);
-      if (++line == 2 * lines) {
-        line = 0;
-        ++j;
+    for (; n > 0 && j < end; --n, ++j) {
+      const char* kr = k + off[j] * es;
+      const char* vr = v + off[j] * es;
+      for (int x = 0; x < row_bytes; x += 64) {
+        __builtin_prefetch(kr + x, 0, 3);
+        __builtin_prefetch(vr + x, 0, 3);
       }
     }
   }
-  void flush() { issue(1 << 30); }
+  void flush() { issue(TILE); }
 };
 
 // ---------------------------------------------------------------- arguments
@@ -331,38 +466,114 @@ struct Scratch {
 inline int round16(int d) { return (d + 15) / 16 * 16; }
 
 // ---------------------------------------------------------------- micro-kernels
-// Scores of R query rows against the packed tile: s[r][j] = sum_d q[r][d] * k[j][d], one fused
-// multiply-add per d in increasing d (the same chain for every row and key).
-template <int R>
-inline void qk_rows(const float* qp, int dp, const float* kt, int d_len, float* s, Prefetcher& pf) {
-  V acc[R][TV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < TV; ++v) acc[r][v] = vzero();
-  for (int d = 0; d < d_len; ++d) {
-    pf.issue(2);
-    V kv[TV];
-    for (int v = 0; v < TV; ++v) kv[v] = vload(kt + size_t(d) * TILE + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const V qb = vset(qp[size_t(r) * dp + d]);
-      for (int v = 0; v < TV; ++v) acc[r][v] = vfma(qb, kv[v], acc[r][v]);
+// ---------------------------------------------------------------- scores
+// The score of query row r and key j, whichever layout computes it:
+//   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
+//         per c in increasing c (dimensions past head_dim are zeros);
+//   s   = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4}, T_l = P_l + P_{l+8} (vhsum's tree).
+// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; packed (many
+// rows: prefill chunks) transposes the tile once, lanes over keys. Same operations, same bits.
+
+// Row-wise: N rows against the keys [ks, ke) at krow; 16 (row, key) partial vectors at a time are
+// reduced together (fold16) and scattered to s [N][TILE].
+template <int N, class KT>
+inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
+                       Prefetcher& pf) {
+  const int nc = (d_len + 15) / 16;
+  V buf[16];
+  int32_t dst[16];
+  int cnt = 0;
+  auto flush = [&]() {
+    for (int i = cnt; i < 16; ++i) buf[i] = vzero();
+    alignas(64) float out[16];
+    vstore(out, fold16(buf));
+    for (int i = 0; i < cnt; ++i) s[dst[i]] = out[i];
+    cnt = 0;
+  };
+  for (int j = ks; j < ke; ++j) {
+    pf.issue(1);
+    V acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = vzero();
+    for (int c = 0; c < nc; ++c) {
+      const V kv = load16(krow[j] + 16 * c, std::min(16, d_len - 16 * c));
+      for (int r = 0; r < N; ++r) acc[r] = vfma(vload(qp + size_t(r) * dp + 16 * c), kv, acc[r]);
+    }
+    for (int r = 0; r < N; ++r) {
+      buf[cnt] = acc[r];
+      dst[cnt] = r * TILE + j;
+      if (++cnt == 16) flush();
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < TV; ++v) vstore(s + size_t(r) * TILE + 16 * v, acc[r][v]);
+  if (cnt) flush();
 }
 
-template <int R = QK_ROWS>
-inline void qk_dispatch(const float* qp, int dp, const float* kt, int d_len, float* s, int rows, Prefetcher& pf) {
-  if constexpr (R >= 1) {
-    if (rows == R) return qk_rows<R>(qp, dp, kt, d_len, s, pf);
-    return qk_dispatch<R - 1>(qp, dp, kt, d_len, s, rows, pf);
+template <class KT, int N = ROWWISE_MAX>
+inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len,
+                         float* s, Prefetcher& pf) {
+  if constexpr (N >= 1) {
+    if (rows == N) return qk_rowwise<N, KT>(qp, dp, krow, ks, ke, d_len, s, pf);
+    return qk_rowwise_n<KT, N - 1>(qp, dp, rows, krow, ks, ke, d_len, s, pf);
   }
 }
 
-LADLE_HOT inline void qk_all(const float* qp, int dp, int rows, const float* kt, int d_len, float* s, Prefetcher& pf) {
-  for (int r = 0; r < rows; r += QK_ROWS) {
-    const int n = std::min(QK_ROWS, rows - r);
-    qk_dispatch(qp + size_t(r) * dp, dp, kt, d_len, s + size_t(r) * TILE, n, pf);
+// Packed: R rows x TILE keys of the transposed tile kt [Dp][TILE]; the tree evaluated depth first.
+template <int R>
+struct PackedQK {
+  const float* qp;
+  int dp;
+  const float* kt;
+  int nc;
+  Prefetcher& pf;
+
+  LADLE_INLINE void partial(int l, V (&out)[R][TV]) const {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) out[r][v] = vzero();
+    for (int c = 0; c < nc; ++c) {
+      const float* krow = kt + size_t(16 * c + l) * TILE;
+      V kv[TV];
+      for (int v = 0; v < TV; ++v) kv[v] = vload(krow + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const V qb = vset(qp[size_t(r) * dp + 16 * c + l]);
+        for (int v = 0; v < TV; ++v) out[r][v] = vfma(qb, kv[v], out[r][v]);
+      }
+    }
+  }
+  // H = 8: T_l; 4: U_l; 2: W_l; 1: s.
+  template <int H>
+  LADLE_INLINE void node(int l, V (&out)[R][TV]) const {
+    V b[R][TV];
+    if constexpr (H == 8) {
+      partial(l, out);
+      partial(l + 8, b);
+    } else {
+      node<2 * H>(l, out);
+      node<2 * H>(l + H, b);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) out[r][v] = out[r][v] + b[r][v];
+  }
+  inline void run(float* s) const {
+    V out[R][TV];
+    node<1>(0, out);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) vstore(s + size_t(r) * TILE + 16 * v, out[r][v]);
+  }
+};
+
+template <int R = PACKED_ROWS>
+inline void qk_packed_n(const float* qp, int dp, int rows, const float* kt, int nc, float* s, Prefetcher& pf) {
+  if constexpr (R >= 1) {
+    if (rows == R) return PackedQK<R>{qp, dp, kt, nc, pf}.run(s);
+    return qk_packed_n<R - 1>(qp, dp, rows, kt, nc, s, pf);
+  }
+}
+
+inline void qk_packed(const float* qp, int dp, int rows, const float* kt, int d_len, float* s,
+                                Prefetcher& pf) {
+  const int nc = (d_len + 15) / 16;
+  for (int r = 0; r < rows; r += PACKED_ROWS, pf.issue(1)) {
+    const int n = std::min(PACKED_ROWS, rows - r);
+    qk_packed_n(qp + size_t(r) * dp, dp, n, kt, nc, s + size_t(r) * TILE, pf);
   }
 }
 
@@ -377,7 +588,6 @@ inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, cons
     for (int c = 0; c < C; ++c) a[r][c] = vload(acc + size_t(r) * dp + d0 + 16 * c) * al;
   }
   for (int j = jlo; j < jhi; ++j) {
-    pf.issue(4);
     const float* vr = vrow[j] + d0;
     V vv[C];
     for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
@@ -401,7 +611,7 @@ inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, c
   if (tail) pv_rows<R, 1, true>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * full, tail, pf);
 }
 
-LADLE_HOT inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
+inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
                      int jlo, int jhi, int d_len, int rows, Prefetcher& pf) {
   switch (rows) {
     case 1: return pv_group_r<1>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
@@ -437,12 +647,11 @@ struct Kernel {
             int(D * es), ks, ke);
   }
 
-  // Keys [ks, ke) of a tile (rows at off, head at element hoff), transposed into kt [Dp][TILE] (zeros
-  // elsewhere); value row pointers into the cache (fp32) or into vc (converted) for the same keys.
-  LADLE_HOT void pack_tile(const int64_t* off, int64_t hoff, int ks, int ke, Scratch& s) const {
+  // Row pointers of the keys [ks, ke) of a tile (rows at off, head at element hoff) into krow (null
+  // elsewhere), and of their values into s.vrow: the cache itself (fp32) or s.vc (converted).
+  void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
-    const KT* krow[TILE];
     for (int j = 0; j < TILE; ++j) {
       krow[j] = nullptr;
       if (j < ks || j >= ke) continue;
@@ -455,31 +664,35 @@ struct Kernel {
         s.vrow[j] = dst;
       }
     }
+  }
+
+  // The tile's keys transposed into kt [Dp][TILE], zeros for absent keys and past head_dim.
+  void pack_tile(const KT* const* krow, int ks, int ke, Scratch& s) const {
     float* kt = s.kt.data();
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     for (int g = 0; g < TV; ++g) {
       const bool any = ks < 16 * g + 16 && ke > 16 * g;
-      for (int d0 = 0; d0 < D; d0 += 16) {
+      for (int d0 = 0; d0 < Dp; d0 += 16) {
         const int n = std::min(16, D - d0);
         V rows[16];
         for (int i = 0; i < 16; ++i) {
           const KT* src = krow[16 * g + i];
           rows[i] = any && src ? load16(src + d0, n) : vzero();
         }
-        s.pf.issue(4);
+        s.pf.issue(1);
         if (any) transpose16(rows);
-        for (int dd = 0; dd < n; ++dd) vstore(kt + size_t(d0 + dd) * TILE + 16 * g, rows[dd]);
+        for (int dd = 0; dd < 16; ++dd) vstore(kt + size_t(d0 + dd) * TILE + 16 * g, rows[dd]);
       }
     }
 #else
-    for (int d = 0; d < D; ++d)
-      for (int j = 0; j < TILE; ++j) kt[size_t(d) * TILE + j] = krow[j] ? to_f32(krow[j][d]) : 0.0f;
+    for (int d = 0; d < Dp; ++d)
+      for (int j = 0; j < TILE; ++j) kt[size_t(d) * TILE + j] = krow[j] && d < D ? to_f32(krow[j][d]) : 0.0f;
 #endif
   }
 
   // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
   // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
-  LADLE_HOT void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
+  void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
     float* row = s.p.data() + size_t(r) * TILE;
     V sv[TV];
     Mask mask[TV];
@@ -516,7 +729,7 @@ struct Kernel {
   int64_t row_token(const Item& it, int qs, int nqg, int r) const { return qs + it.i0 + (r % nqg) / G; }
   int64_t row_head(const Item& it, int nqg, int r) const { return int64_t(it.h0 + r / nqg) * G + (r % nqg) % G; }
 
-  LADLE_HOT void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
+  void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
     const float qmul = a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e;
     for (int r = 0; r < rows; ++r) {
       float* dst = s.qp.data() + size_t(r) * Dp;
@@ -540,19 +753,16 @@ struct Kernel {
                  int r0, int n, Scratch& s) const {
     if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
     else s.pf.clear();
-#if LADLE_MEMONLY
-    {
-      const float* kc = static_cast<const float*>(a.k_cache) + h * D;
-      const float* vc = static_cast<const float*>(a.v_cache) + h * D;
-      V acc = vload(s.acc.data() + size_t(r0) * Dp);
-      for (int j = ks; j < ke; ++j)
-        for (int d = 0; d < D; d += 16) acc = acc + vload(kc + off[j] + d) + vload(vc + off[j] + d);
-      vstore(s.acc.data() + size_t(r0) * Dp, acc);
-      return;
+    const KT* krow[TILE];
+    tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    const float* qp = s.qp.data() + size_t(r0) * Dp;
+    float* scores = s.p.data() + size_t(r0) * TILE;
+    if (n <= ROWWISE_MAX) {
+      qk_rowwise_n<KT>(qp, Dp, n, krow, ks, ke, D, scores, s.pf);
+    } else {
+      pack_tile(krow, ks, ke, s);
+      qk_packed(qp, Dp, n, s.kt.data(), D, scores, s.pf);
     }
-#endif
-    pack_tile(off, int64_t(h) * D, ks, ke, s);
-    qk_all(s.qp.data() + size_t(r0) * Dp, Dp, n, s.kt.data(), D, s.p.data() + size_t(r0) * TILE, s.pf);
     for (int r = r0; r < r0 + n; ++r) {
       // Row r's visible keys in this tile: a function of its own position only.
       const int pos = first + (r - r0) / G;
@@ -635,12 +845,23 @@ void write_kv(const Args& a) {
 
 std::vector<Item> make_items(const Args& a) {
   std::vector<Item> items;
-  const int per = std::max(1, a.positions_per_item);
+  // Query positions per item: as many as asked (more rows share each key tile), but halved while
+  // the chunks would give fewer than 4 items per thread.
+  int per = std::max(1, a.positions_per_item);
+  auto chunk_items = [&](int p) {
+    int64_t n = 0;
+    for (int b = 0; b < a.num_seqs; ++b) {
+      const int ql = a.query_start_loc[b + 1] - a.query_start_loc[b];
+      if (ql > 4) n += int64_t(ql + p - 1) / p * a.num_kv_heads;
+    }
+    return n;
+  };
+  while (per > 1 && a.num_threads > 1 && chunk_items(per) < 4 * a.num_threads) per = (per + 1) / 2;
   // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole cache rows,
   // contiguous) when there are enough sequences to keep every thread busy, else one head.
   int decodes = 0;
   for (int b = 0; b < a.num_seqs; ++b) decodes += a.query_start_loc[b + 1] - a.query_start_loc[b] <= 4;
-  const int decode_heads = LADLE_GROUP && decodes >= 4 * a.num_threads ? a.num_kv_heads : 1;
+  const int decode_heads = decodes >= 4 * a.num_threads ? a.num_kv_heads : 1;
   for (int b = 0; b < a.num_seqs; ++b) {
     const int ql = a.query_start_loc[b + 1] - a.query_start_loc[b];
     const int ctx = a.seq_lens[b] - ql;

@@ -5,6 +5,7 @@ cache layout, block size or number of threads."""
 from __future__ import annotations
 
 import math
+import platform
 
 import pytest
 import torch
@@ -219,6 +220,34 @@ def test_large_decode_batch_threads(threads):
     for sid, s in enumerate(seqs):
         want = run_schedule([s], alone(0, [len(s.q)]), cpu_paged_attention, CacheLayout())[0]
         assert torch.equal(results[0][sid], want) and torch.equal(results[1][sid], want)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "fma" not in " ".join(cpu_build._cpu_flags().split()),
+                    reason="x86 instruction-set variants, with FMA")
+def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
+    """The AVX2 build and the portable (scalar-loop) build run the same operations as the AVX-512 one,
+    lane for lane and tree for tree: with FMA, the same bits."""
+    cases = [
+        ([(0, 70), (30, 1), (200, 1), (45, 33)], 8, 2, 64, None, None, torch.float32),
+        ([(0, 100), (300, 1), (17, 9)], 4, 1, 40, 24, 20.0, torch.float32),  # head dim with a tail
+        ([(10, 50), (90, 1)], 8, 8, 128, None, None, torch.bfloat16),
+    ]
+
+    def outputs():
+        outs = []
+        for seqs, heads, kv, d, window, softcap, dtype in cases:
+            q, k, v, cache, meta = make_batch(seqs, heads, kv, d, 16, seed=d, dtype=dtype)
+            outs.append(cpu_paged_attention(q, k, v, cache, meta, scale=d**-0.5, sliding_window=window, softcap=softcap))
+        return outs
+
+    native = outputs()
+    for name, flags in {"avx2": ["-march=native", "-mno-avx512f"],
+                        "generic": ["-march=native", "-mno-avx512f", "-mno-avx2"]}.items():
+        lib, _ = cpu_build.build_library(flags, tmp_path)
+        assert lib.ladle_attention_isa().decode() == name
+        monkeypatch.setattr("kernels.cpu_paged.load_library", lambda lib=lib: lib)
+        for want, got in zip(native, outputs()):
+            assert torch.equal(got, want), name
 
 
 # -- dispatch ------------------------------------------------------------------------------------------
