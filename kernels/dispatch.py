@@ -1,7 +1,10 @@
-"""Choose the attention implementation: Triton on CUDA, the torch reference on CPU.
+"""Choose the attention implementation: Triton on CUDA, the C++ paged kernel on CPU, or the torch reference.
 
 In order of precedence: the metadata's `backend` (the engine's model.attention_backend), then
-`set_backend()`, then `LADLE_ATTENTION_BACKEND` (auto | triton | torch); "auto" defers to the next.
+`set_backend()`, then `LADLE_ATTENTION_BACKEND` (auto | triton | cpu_paged | torch); "auto" defers to
+the next. "auto" resolves to "triton" on CUDA and to "cpu_paged" on CPU when its kernel builds (it is
+compiled at first use, kernels/cpu_build.py; without a compiler one warning is logged and "torch" is
+used). "torch" is the reference (kernels/reference.py), the oracle the kernels are tested against.
 The Triton path is imported lazily so CPU-only installs never need it.
 """
 
@@ -11,10 +14,11 @@ import os
 
 import torch
 
+from kernels.cpu_build import load_library
 from kernels.metadata import AttentionMetadata
 from kernels.reference import reference_attention
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "cpu_paged", "torch")
 _forced: str | None = None
 
 
@@ -33,7 +37,9 @@ def get_backend(device: torch.device, requested: str = "auto") -> str:
     if name not in _BACKENDS:
         raise ValueError(f"LADLE_ATTENTION_BACKEND={name!r} is not one of {_BACKENDS}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu_paged" if load_library() is not None else "torch"
     return name
 
 
@@ -49,8 +55,16 @@ def attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend causally (and within the window) over the cache."""
-    if get_backend(q.device, meta.backend) == "triton":
+    backend = get_backend(q.device, meta.backend)
+    if backend == "triton":
         from kernels.triton_attention import triton_attention
 
         return triton_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    if backend == "cpu_paged":
+        from kernels.cpu_paged import cpu_paged_attention, supports
+
+        if supports(q, kv_cache):
+            return cpu_paged_attention(
+                q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap
+            )
     return reference_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)

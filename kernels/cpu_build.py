@@ -1,0 +1,149 @@
+"""Build the C++ CPU attention kernel once per machine and source, and load it with ctypes.
+
+The kernel is plain C++ (no torch headers, no pybind), so a build is one compiler call of a few
+seconds, and needs only a C++17 compiler with OpenMP (g++ or clang++; `CXX` picks another). It links
+the OpenMP runtime by its soname, `libgomp.so.1`, which torch's wheel already loaded: one runtime,
+one thread pool. The shared library is cached under `LADLE_KERNEL_CACHE` (default
+`~/.cache/ladle/kernels`) by a hash of the source, the compiler, its flags and the CPU's feature flags
+(it is built with -march=native), written to a temporary name and renamed, so concurrent first uses
+never load a half-written file. If anything fails, `load_library()` returns None, `build_error()` says
+why, and one warning is logged: the dispatcher then uses the torch reference attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from kernels.cpu_paged_source import SOURCE
+
+log = logging.getLogger("ladle.kernels")
+
+# Keys per tile. Part of the numerical contract: outputs are bitwise reproducible only between builds
+# with the same tile (and the same instruction set). LADLE_ATTENTION_TILE is for experiments only.
+TILE = int(os.environ.get("LADLE_ATTENTION_TILE", "32"))
+BASE_FLAGS = (*os.environ.get("LADLE_XFLAGS", "").split(), "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+ARCH_FLAGS = (("-march=native",), ())  # tried in order: the second builds the portable generic path
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LADLE_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ladle" / "kernels"
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+    os.close(fd)
+    src = Path(tmp).with_suffix(".cpp")
+    try:
+        src.write_text(SOURCE)
+        cmd = [cxx, *flags, str(src), "-o", tmp]
+        result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        src.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ladle_attention_isa.restype = ctypes.c_char_p
+    lib.ladle_paged_attention.restype = ctypes.c_int
+    lib.ladle_paged_attention.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> tuple[ctypes.CDLL, Path]:
+    """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
+    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path)."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
+    flags = [*BASE_FLAGS, *arch_flags, f"-DLADLE_TILE={TILE}"]
+    key = hashlib.sha256("\0".join([SOURCE, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    path = (directory or cache_dir()) / f"libladle_attention_{key[:20]}.so"
+    if not path.exists():
+        start = time.perf_counter()
+        log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
+        _compile(cxx, flags, path)
+        _state["build_seconds"] = time.perf_counter() - start
+        log.info("built %s in %.1f s", path, _state["build_seconds"])
+    return _open(path), path
+
+
+def _build() -> ctypes.CDLL:
+    errors = []
+    for arch in ARCH_FLAGS:
+        try:
+            lib, _state["path"] = build_library(arch)
+            return lib
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            errors.append(str(e))
+    raise RuntimeError("\n".join(errors))
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel, built at first use; None (and one logged warning) when it cannot be."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"] = _build()
+            except Exception as e:  # noqa: BLE001 - any failure means: fall back to torch
+                _state["lib"] = None
+                _state["error"] = f"{type(e).__name__}: {e}"
+                log.warning(
+                    "CPU paged attention kernel unavailable, using the torch reference attention "
+                    "(slower, not batch-invariant): %s", _state["error"]
+                )
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def build_info() -> dict[str, object]:
+    """Where the loaded library is, its instruction set and tile, and the build time if built here."""
+    lib = load_library()
+    if lib is None:
+        return {"error": build_error()}
+    return {
+        "path": str(_state["path"]), "isa": lib.ladle_attention_isa().decode(),
+        "tile": lib.ladle_attention_tile(), "build_seconds": _state.get("build_seconds"),
+    }

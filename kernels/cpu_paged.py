@@ -1,0 +1,144 @@
+"""CPU paged attention: the C++ kernel (kernels/cpu_paged_source.py) that reads the KV cache in place.
+
+What it computes is the reference's attention (kernels/reference.py): causal by absolute position,
+optional sliding window and logit soft-cap, GQA, decodes and prefill chunks in one flattened batch,
+any block size (the contiguous cache is one block of max_model_len per sequence).
+
+How (the tile rule)
+-------------------
+A sequence's keys are cut into tiles of `TILE` (32) consecutive absolute positions: tile t holds
+positions [32 t, 32 t + 32), wherever its blocks are (a tile may span blocks, or lie inside one).
+A work item is (sequence, KV heads, block of query positions); OpenMP threads take items from a shared
+counter, and each item is computed by one thread alone. For each tile it reads, in place through the
+block table, the keys its queries can see (prefetching the next tile's rows while it computes), then
+for every query row (a position times a query head of the KV head's group):
+- scores: for each of 16 lanes l, P_l = sum over c of q[16c + l] * k[16c + l], one fused multiply-add
+  per c in increasing c; then s = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4},
+  T_l = P_l + P_{l+8}. Few rows per KV head (decodes) compute this on the key rows in place (lanes over
+  dimensions, 16 scores reduced at once); many rows (prefill chunks) transpose the tile once and run
+  the same operations with lanes over keys: the same bits either way, without a transpose per
+  decode;
+- online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
+  probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a
+  fixed lane tree, `l = l * alpha + tile_sum`;
+- values: `acc = acc * alpha`, then one fused multiply-add per visible key, in position order;
+and at the end `out = acc / l`.
+
+Determinism
+-----------
+Which tiles a query reads, which keys of each tile it sees, and every operation above depend only on
+its absolute position, the window and the tile size, never on the other rows of its block, the other
+sequences, the chunk it came in or the thread that ran it. So a query at position p gets bitwise the
+same output whether its prompt came whole, in chunks of any size, or as a decode; whatever the batch,
+its size, the cache backend or block size; and whatever the number of threads. Not covered: another
+instruction set (the library is built with -march=native: an AVX-512 machine and an AVX2 one round
+differently), another TILE, or the torch reference backend (a different formula altogether).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_build import load_library
+from kernels.metadata import AttentionMetadata
+from kernels.reference import write_kv_cache
+
+# Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile
+# is transposed once per item, so more rows amortise it (96 measured ~10-15% faster than 32 at one
+# thread); the kernel halves it when a batch's chunks would give fewer than 4 items per thread.
+ROWS_PER_ITEM = 96
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Args(ctypes.Structure):
+    # Mirrors `struct Args` in kernels/cpu_paged_source.py, field for field.
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("k_new", ctypes.c_void_p), ("v_new", ctypes.c_void_p),
+        ("k_stride_t", ctypes.c_int64), ("k_stride_h", ctypes.c_int64),
+        ("v_stride_t", ctypes.c_int64), ("v_stride_h", ctypes.c_int64),
+        ("slot_mapping", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int32), ("num_tokens", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32),
+        ("q_dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32), ("window", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("num_threads", ctypes.c_int32), ("positions_per_item", ctypes.c_int32),
+    ]
+
+
+class _ForwardArgs:
+    """The metadata part of the arguments, filled once per forward and shared by every layer (in
+    meta.cache); it holds the int tensors it points into."""
+
+    __slots__ = ("args", "tensors")
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        qsl = meta.query_start_loc.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        self.tensors = (qsl, seq_lens, tables, slots)
+        a = self.args = _Args()
+        a.query_start_loc, a.seq_lens = qsl.data_ptr(), seq_lens.data_ptr()
+        a.block_tables, a.bt_stride = tables.data_ptr(), tables.shape[1]
+        a.slot_mapping = slots.data_ptr()
+        a.num_seqs, a.num_tokens, a.block_size = meta.num_seqs, meta.num_tokens, meta.block_size
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel takes (the dispatcher uses the torch reference otherwise)."""
+    return (
+        q.device.type == "cpu" and kv_cache.device.type == "cpu"
+        and q.dtype in _DTYPES and kv_cache.dtype in _DTYPES
+        and kv_cache.is_contiguous() and q.shape[-1] <= 1024
+        and q.shape[1] % kv_cache.shape[-2] == 0
+    )
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D]; writes k/v into the cache at meta.slot_mapping, returns [T, H, D]."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU paged attention kernel is not available (see kernels.cpu_build.build_error())")
+    forward = meta.cache.get("cpu_paged")
+    if forward is None:
+        forward = meta.cache["cpu_paged"] = _ForwardArgs(meta)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv = kv_cache.shape[-2]
+    a = _Args.from_buffer_copy(forward.args)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    a.out = out.data_ptr()
+    a.k_cache = kv_cache.data_ptr()
+    a.v_cache = kv_cache[1].data_ptr()
+    if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
+        a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
+    else:  # a dtype conversion on the way into the cache: torch's rounding, as the reference does
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    a.num_heads, a.num_kv_heads, a.head_dim = num_heads, num_kv, head_dim
+    a.q_dtype, a.kv_dtype = _DTYPES[q.dtype], _DTYPES[kv_cache.dtype]
+    a.window = sliding_window or 0
+    a.scale, a.softcap = scale, softcap or 0.0
+    a.num_threads = torch.get_num_threads()
+    a.positions_per_item = max(1, ROWS_PER_ITEM // (num_heads // num_kv))
+    code = lib.ladle_paged_attention(ctypes.addressof(a))
+    if code != 0:
+        raise RuntimeError(f"ladle_paged_attention rejected its arguments (code {code})")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,929 @@
+"""C++ source of the CPU paged attention kernel (built at first use by kernels/cpu_build.py).
+
+Kept as a Python string so an installed package always carries it (no package-data to declare).
+The contract (argument struct, tile rule, determinism) is described in kernels/cpu_paged.py; the
+`Args` struct here and `_Args` there must list the same fields in the same order.
+"""
+
+SOURCE = r"""
+// ladle CPU paged attention: reads the paged KV cache in place, tiles of TILE keys at fixed absolute
+// positions, online softmax in fp32 over the tiles in position order. One work item (sequence, KV
+// head, block of query positions) is computed by one thread, and every query row's arithmetic is a
+// fixed sequence of operations that depends only on its own position: bitwise the same result
+// whatever the chunking, the batch, the query block or the thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <tuple>
+#include <utility>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#ifndef LADLE_TILE
+#define LADLE_TILE 32
+#endif
+#ifndef LADLE_PACKED_ROWS  // measured: 6 with 32 registers of 16 lanes, 1 with 16 registers of 8
+#if defined(__AVX512F__)
+#define LADLE_PACKED_ROWS 6
+#else
+#define LADLE_PACKED_ROWS 1
+#endif
+#endif
+#ifndef LADLE_ROWWISE_MAX
+#define LADLE_ROWWISE_MAX 4
+#endif
+// The packed score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
+#define LADLE_INLINE __attribute__((always_inline)) inline
+
+namespace {
+
+constexpr int TILE = LADLE_TILE;
+static_assert(TILE % 16 == 0 && TILE >= 16 && TILE <= 64, "TILE must be 16, 32, 48 or 64");
+constexpr int TV = TILE / 16;       // 16-lane vectors per tile row
+constexpr int PACKED_ROWS = LADLE_PACKED_ROWS;  // query rows per packed score micro-kernel
+constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
+constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
+constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------- 16-lane vectors
+// Every operation is lane-wise (or a fixed tree for the reductions), so a lane's result never
+// depends on which other lanes are in use.
+#if defined(__AVX512F__)
+struct V { __m512 x; };
+using Mask = __mmask16;
+inline Mask tail_mask(int n) { return n >= 16 ? Mask(0xFFFF) : Mask((1u << n) - 1u); }
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset(float a) { return {_mm512_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.x); }
+inline V operator+(V a, V b) { return {_mm512_add_ps(a.x, b.x)}; }
+inline V operator-(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
+inline V operator*(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
+inline V operator/(V a, V b) { return {_mm512_div_ps(a.x, b.x)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
+inline V vmin(V a, V b) { return {_mm512_min_ps(a.x, b.x)}; }
+inline V vabs(V a) { return {_mm512_abs_ps(a.x)}; }
+inline V vselect(Mask m, V a, V b) { return {_mm512_mask_blend_ps(m, b.x, a.x)}; }
+inline Mask vlt(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_LT_OQ); }
+inline V vround(V a) { return {_mm512_roundscale_ps(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V vldexp(V p, V n) { return {_mm512_scalef_ps(p.x, n.x)}; }
+inline V vcopysign(V mag, V sgn) {
+  const __m512i m = _mm512_set1_epi32(0x7fffffff);
+  return {_mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(mag.x), m),
+                                              _mm512_andnot_si512(m, _mm512_castps_si512(sgn.x))))};
+}
+// Tree: lanes l + l+8, then l + l+4, l + l+2, l + l+1 (the generic version below uses the same tree).
+inline float vhsum(V a) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.x),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.x), 1)));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+inline float vhmax(V a) { return _mm512_reduce_max_ps(a.x); }
+inline Mask lanes_in(int lo, int hi) {
+  lo = std::clamp(lo, 0, 16);
+  hi = std::clamp(hi, 0, 16);
+  if (hi <= lo) return 0;
+  return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+// 16x16 transpose of r[0..15] in place.
+inline void transpose16(V* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i].x, r[2 * i + 1].x);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i].x, r[2 * i + 1].x);
+  }
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    __m512 x = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), y = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    __m512 x2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    __m512 y2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c].x = _mm512_shuffle_f32x4(x, x2, 0x88);
+    r[8 + c].x = _mm512_shuffle_f32x4(x, x2, 0xDD);
+    r[4 + c].x = _mm512_shuffle_f32x4(y, y2, 0x88);
+    r[12 + c].x = _mm512_shuffle_f32x4(y, y2, 0xDD);
+  }
+}
+// out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
+inline V fold16(const V* a) {
+  __m512 x[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k)  // T: lanes l + l+8; x[k] = [T(a[2k]) | T(a[2k+1])]
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0xEE));
+  for (int k = 0; k < 4; ++k)  // U: l + l+4; 128-bit lane q of y[k] = U(a[4k + q])
+    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {  // W: l + l+2; lane q of z[k] = [W(a[8k + q]), W(a[8k + 4 + q])]
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
+    z[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // s: l + l+1; lane 4q + m holds a[4m + q]. Then put a[i] in lane i (a permutation: exact).
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(idx, s)};
+}
+#define LADLE_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+// Two 8-lane halves; the same operations lane by lane (and the same trees) as the AVX-512 version.
+struct V { __m256 lo, hi; };
+using Mask = uint32_t;
+inline __m256 half_mask(uint32_t bits8) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i b = _mm256_set1_epi32(int(bits8));
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, lane), lane));
+}
+inline __m256i count_mask(int n) {  // lanes < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V vload_n(const float* p, int n) {
+  return {_mm256_maskload_ps(p, count_mask(n)), _mm256_maskload_ps(p + 8, count_mask(n - 8))};
+}
+inline void vstore(float* p, V a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V operator+(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V operator-(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V operator*(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V operator/(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V vabs(V a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+inline V vselect(Mask m, V a, V b) {
+  return {_mm256_blendv_ps(b.lo, a.lo, half_mask(m & 0xffu)), _mm256_blendv_ps(b.hi, a.hi, half_mask(m >> 8))};
+}
+inline Mask vlt(V a, V b) {
+  return Mask(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ))) |
+         Mask(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))) << 8;
+}
+inline V vround(V a) {
+  constexpr int m = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, m), _mm256_round_ps(a.hi, m)};
+}
+// p * 2^n for integral n in [-126, 126] (2^n is then a normal float, the product rounds once).
+inline V vldexp(V p, V n) {
+  auto pow2 = [](__m256 e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127)), 23));
+  };
+  return {_mm256_mul_ps(p.lo, pow2(n.lo)), _mm256_mul_ps(p.hi, pow2(n.hi))};
+}
+inline V vcopysign(V mag, V sgn) {
+  const __m256 s = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+  return {_mm256_or_ps(_mm256_andnot_ps(s, mag.lo), _mm256_and_ps(s, sgn.lo)),
+          _mm256_or_ps(_mm256_andnot_ps(s, mag.hi), _mm256_and_ps(s, sgn.hi))};
+}
+inline float vhsum(V a) {
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float vhmax(V a) {
+  const __m256 s8 = _mm256_max_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_max_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_max_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline Mask lanes_in(int lo, int hi) {
+  lo = std::clamp(lo, 0, 16);
+  hi = std::clamp(hi, 0, 16);
+  if (hi <= lo) return 0;
+  return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+inline V fold16(const V* a) {
+  alignas(32) float out[16];
+  for (int i = 0; i < 16; ++i) out[i] = vhsum(a[i]);
+  return vload(out);
+}
+// 8x8 transpose of r[0..7] in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+// 16x16 transpose of r[0..15] in place, as four 8x8 blocks.
+inline void transpose16(V* r) {
+  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 lo/hi, rows 8-15 lo/hi
+  for (int i = 0; i < 8; ++i) {
+    a[i] = r[i].lo;
+    b[i] = r[i].hi;
+    c[i] = r[8 + i].lo;
+    d[i] = r[8 + i].hi;
+  }
+  transpose8(a);
+  transpose8(b);
+  transpose8(c);
+  transpose8(d);
+  for (int i = 0; i < 8; ++i) {
+    r[i] = {a[i], c[i]};
+    r[8 + i] = {b[i], d[i]};
+  }
+}
+#define LADLE_ISA "avx2"
+#else
+struct V { float x[16]; };
+using Mask = uint32_t;
+#if defined(__FMA__) || defined(__aarch64__)
+inline float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+inline float fma1(float a, float b, float c) { return a * b + c; }  // built with -ffp-contract=off
+#endif
+#define LADLE_LANES(expr) V r; for (int l = 0; l < 16; ++l) r.x[l] = (expr); return r
+inline V vzero() { LADLE_LANES(0.0f); }
+inline V vset(float a) { LADLE_LANES(a); }
+inline V vload(const float* p) { LADLE_LANES(p[l]); }
+inline V vload_n(const float* p, int n) { LADLE_LANES(l < n ? p[l] : 0.0f); }
+inline void vstore(float* p, V a) { for (int l = 0; l < 16; ++l) p[l] = a.x[l]; }
+inline V operator+(V a, V b) { LADLE_LANES(a.x[l] + b.x[l]); }
+inline V operator-(V a, V b) { LADLE_LANES(a.x[l] - b.x[l]); }
+inline V operator*(V a, V b) { LADLE_LANES(a.x[l] * b.x[l]); }
+inline V operator/(V a, V b) { LADLE_LANES(a.x[l] / b.x[l]); }
+inline V vfma(V a, V b, V c) { LADLE_LANES(fma1(a.x[l], b.x[l], c.x[l])); }
+inline V vmax(V a, V b) { LADLE_LANES(a.x[l] > b.x[l] ? a.x[l] : b.x[l]); }
+inline V vmin(V a, V b) { LADLE_LANES(a.x[l] < b.x[l] ? a.x[l] : b.x[l]); }
+inline V vabs(V a) { LADLE_LANES(std::fabs(a.x[l])); }
+inline V vselect(Mask m, V a, V b) { LADLE_LANES((m >> l) & 1u ? a.x[l] : b.x[l]); }
+inline Mask vlt(V a, V b) {
+  Mask m = 0;
+  for (int l = 0; l < 16; ++l) m |= Mask(a.x[l] < b.x[l]) << l;
+  return m;
+}
+inline V vround(V a) { LADLE_LANES(std::nearbyint(a.x[l])); }
+inline V vldexp(V p, V n) { LADLE_LANES(std::ldexp(p.x[l], int(n.x[l]))); }
+inline V vcopysign(V mag, V sgn) { LADLE_LANES(std::copysign(mag.x[l], sgn.x[l])); }
+inline float vhsum(V a) {
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) a.x[l] = a.x[l] + a.x[l + h];
+  return a.x[0];
+}
+inline float vhmax(V a) {
+  float m = a.x[0];
+  for (int l = 1; l < 16; ++l) m = a.x[l] > m ? a.x[l] : m;
+  return m;
+}
+inline Mask lanes_in(int lo, int hi) {
+  Mask m = 0;
+  for (int l = 0; l < 16; ++l) m |= Mask(l >= lo && l < hi) << l;
+  return m;
+}
+inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
+#define LADLE_ISA "generic"
+#endif
+
+// 2^x for x in [-126, 126] (clamped): Taylor polynomial of degree 7 on the fraction, exact scaling.
+inline V vexp2(V x) {
+  x = vmin(vmax(x, vset(-126.0f)), vset(126.0f));
+  V n = vround(x);
+  V f = x - n;
+  V p = vset(1.5252734e-5f);
+  p = vfma(p, f, vset(1.5403530e-4f));
+  p = vfma(p, f, vset(1.3333558e-3f));
+  p = vfma(p, f, vset(9.6181291e-3f));
+  p = vfma(p, f, vset(5.5504109e-2f));
+  p = vfma(p, f, vset(2.4022651e-1f));
+  p = vfma(p, f, vset(6.9314718e-1f));
+  p = vfma(p, f, vset(1.0f));
+  return vldexp(p, n);
+}
+
+// tanh: odd Taylor series below |x| = 0.3, 1 - 2 / (e^{2|x|} + 1) above (with the sign of x).
+inline V vtanh(V x) {
+  V ax = vabs(x);
+  V e = vexp2(vmin(ax, vset(9.0f)) * vset(2.0f * kLog2e));
+  V big = vset(1.0f) - vset(2.0f) / (e + vset(1.0f));
+  V x2 = x * x;
+  V poly = vset(-1382.0f / 155925.0f);
+  poly = vfma(poly, x2, vset(62.0f / 2835.0f));
+  poly = vfma(poly, x2, vset(-17.0f / 315.0f));
+  poly = vfma(poly, x2, vset(2.0f / 15.0f));
+  poly = vfma(poly, x2, vset(-1.0f / 3.0f));
+  V small = vfma(x * x2, poly, x);
+  return vselect(vlt(ax, vset(0.3f)), small, vcopysign(big, x));
+}
+
+// ---------------------------------------------------------------- element types
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(BF16 v) {
+  uint32_t u = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f32(F16 v) {
+  const uint32_t h = v.bits, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    float f = std::ldexp(float(man), -24);  // zero or subnormal: exact
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// n (<= 16) elements of p as fp32, zeros beyond.
+template <class T>
+inline V load16(const T* p, int n) {
+  alignas(64) float tmp[16];
+  for (int l = 0; l < 16; ++l) tmp[l] = l < n ? to_f32(p[l]) : 0.0f;
+  return vload(tmp);
+}
+template <>
+inline V load16<float>(const float* p, int n) { return n >= 16 ? vload(p) : vload_n(p, n); }
+
+// Cache lines of the next tile, requested a few at a time from inside the compute loops so that
+// reading one tile overlaps the arithmetic of the previous one (requesting them all at once fills the
+// core's miss buffers and stalls it until they arrive). Lines are walked key by key: the key's K row,
+// then its V row.
+struct Prefetcher {
+  const char* k = nullptr;  // K plane + head offset, in bytes
+  const char* v = nullptr;
+  const int64_t* off = nullptr;  // element offsets of the keys' rows
+  int64_t es = 4;
+  int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
+  void clear() { j = end = 0; }
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int ks, int ke) {
+    k = kc;
+    v = vc;
+    off = o;
+    es = elem;
+    j = ks;
+    end = ke;
+    row_bytes = bytes;
+  }
+  // The K and V rows of the next n keys.
+  inline void issue(int n) {
+    for (; n > 0 && j < end; --n, ++j) {
+      const char* kr = k + off[j] * es;
+      const char* vr = v + off[j] * es;
+      for (int x = 0; x < row_bytes; x += 64) {
+        __builtin_prefetch(kr + x, 0, 3);
+        __builtin_prefetch(vr + x, 0, 3);
+      }
+    }
+  }
+  void flush() { issue(TILE); }
+};
+
+// ---------------------------------------------------------------- arguments
+struct Args {
+  const void* q;  // [T, H, D], last dim contiguous
+  int64_t q_stride_t, q_stride_h;
+  float* out;  // [T, H, D] contiguous fp32
+  const void* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
+  const void* v_cache;
+  const void* k_new;  // [T, Hkv, D] written at slot_mapping before attending; null: already written
+  const void* v_new;
+  int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h;
+  const int64_t* slot_mapping;  // [T]
+  const int32_t* query_start_loc;  // [B + 1]
+  const int32_t* seq_lens;  // [B]
+  const int32_t* block_tables;  // [B, bt_stride]
+  int64_t bt_stride;
+  int32_t num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size;
+  int32_t q_dtype, kv_dtype;  // 0 float32, 1 bfloat16, 2 float16
+  int32_t window;  // 0: none
+  float scale, softcap;  // softcap 0: none
+  int32_t num_threads, positions_per_item;
+};
+
+struct Item {
+  int32_t b, h0, h1, i0, i1;  // sequence, KV heads [h0, h1), query rows [i0, i1) of the sequence's chunk
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> qp, kt, vc, p, acc, m, l, alpha;
+  std::vector<const float*> vrow;
+  std::vector<int32_t> jlo, jhi;
+  Prefetcher pf;
+  void ensure(int rows, int dp) {
+    auto grow = [](auto& v, size_t n) { if (v.size() < n) v.resize(n); };
+    grow(qp, size_t(rows) * dp);
+    grow(kt, size_t(dp) * TILE);
+    grow(vc, size_t(TILE) * dp);
+    grow(p, size_t(rows) * TILE);
+    grow(acc, size_t(rows) * dp);
+    grow(m, rows);
+    grow(l, rows);
+    grow(alpha, rows);
+    grow(vrow, TILE);
+    grow(jlo, rows);
+    grow(jhi, rows);
+  }
+};
+
+inline int round16(int d) { return (d + 15) / 16 * 16; }
+
+// ---------------------------------------------------------------- micro-kernels
+// ---------------------------------------------------------------- scores
+// The score of query row r and key j, whichever layout computes it:
+//   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
+//         per c in increasing c (dimensions past head_dim are zeros);
+//   s   = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4}, T_l = P_l + P_{l+8} (vhsum's tree).
+// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; packed (many
+// rows: prefill chunks) transposes the tile once, lanes over keys. Same operations, same bits.
+
+// Row-wise: N rows against the keys [ks, ke) at krow; 16 (row, key) partial vectors at a time are
+// reduced together (fold16) and scattered to s [N][TILE].
+template <int N, class KT>
+inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
+                       Prefetcher& pf) {
+  const int nc = (d_len + 15) / 16;
+  V buf[16];
+  int32_t dst[16];
+  int cnt = 0;
+  auto flush = [&]() {
+    for (int i = cnt; i < 16; ++i) buf[i] = vzero();
+    alignas(64) float out[16];
+    vstore(out, fold16(buf));
+    for (int i = 0; i < cnt; ++i) s[dst[i]] = out[i];
+    cnt = 0;
+  };
+  for (int j = ks; j < ke; ++j) {
+    pf.issue(1);
+    V acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = vzero();
+    for (int c = 0; c < nc; ++c) {
+      const V kv = load16(krow[j] + 16 * c, std::min(16, d_len - 16 * c));
+      for (int r = 0; r < N; ++r) acc[r] = vfma(vload(qp + size_t(r) * dp + 16 * c), kv, acc[r]);
+    }
+    for (int r = 0; r < N; ++r) {
+      buf[cnt] = acc[r];
+      dst[cnt] = r * TILE + j;
+      if (++cnt == 16) flush();
+    }
+  }
+  if (cnt) flush();
+}
+
+template <class KT, int N = ROWWISE_MAX>
+inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len,
+                         float* s, Prefetcher& pf) {
+  if constexpr (N >= 1) {
+    if (rows == N) return qk_rowwise<N, KT>(qp, dp, krow, ks, ke, d_len, s, pf);
+    return qk_rowwise_n<KT, N - 1>(qp, dp, rows, krow, ks, ke, d_len, s, pf);
+  }
+}
+
+// Packed: R rows x TILE keys of the transposed tile kt [Dp][TILE]; the tree evaluated depth first.
+template <int R>
+struct PackedQK {
+  const float* qp;
+  int dp;
+  const float* kt;
+  int nc;
+  Prefetcher& pf;
+
+  LADLE_INLINE void partial(int l, V (&out)[R][TV]) const {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) out[r][v] = vzero();
+    for (int c = 0; c < nc; ++c) {
+      const float* krow = kt + size_t(16 * c + l) * TILE;
+      V kv[TV];
+      for (int v = 0; v < TV; ++v) kv[v] = vload(krow + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const V qb = vset(qp[size_t(r) * dp + 16 * c + l]);
+        for (int v = 0; v < TV; ++v) out[r][v] = vfma(qb, kv[v], out[r][v]);
+      }
+    }
+  }
+  // H = 8: T_l; 4: U_l; 2: W_l; 1: s.
+  template <int H>
+  LADLE_INLINE void node(int l, V (&out)[R][TV]) const {
+    V b[R][TV];
+    if constexpr (H == 8) {
+      partial(l, out);
+      partial(l + 8, b);
+    } else {
+      node<2 * H>(l, out);
+      node<2 * H>(l + H, b);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) out[r][v] = out[r][v] + b[r][v];
+  }
+  inline void run(float* s) const {
+    V out[R][TV];
+    node<1>(0, out);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < TV; ++v) vstore(s + size_t(r) * TILE + 16 * v, out[r][v]);
+  }
+};
+
+template <int R = PACKED_ROWS>
+inline void qk_packed_n(const float* qp, int dp, int rows, const float* kt, int nc, float* s, Prefetcher& pf) {
+  if constexpr (R >= 1) {
+    if (rows == R) return PackedQK<R>{qp, dp, kt, nc, pf}.run(s);
+    return qk_packed_n<R - 1>(qp, dp, rows, kt, nc, s, pf);
+  }
+}
+
+inline void qk_packed(const float* qp, int dp, int rows, const float* kt, int d_len, float* s,
+                                Prefetcher& pf) {
+  const int nc = (d_len + 15) / 16;
+  for (int r = 0; r < rows; r += PACKED_ROWS, pf.issue(1)) {
+    const int n = std::min(PACKED_ROWS, rows - r);
+    qk_packed_n(qp + size_t(r) * dp, dp, n, kt, nc, s + size_t(r) * TILE, pf);
+  }
+}
+
+// acc[r] = acc[r] * alpha[r], then acc[r] += p[r][j] * v[j] for j in [jlo, jhi) in order, over the
+// output lanes [d0, d0 + 16 * C) (or the last `tail` lanes when TAIL).
+template <int R, int C, bool TAIL>
+inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
+                    int jlo, int jhi, int d0, int tail, Prefetcher& pf) {
+  V a[R][C];
+  for (int r = 0; r < R; ++r) {
+    const V al = vset(alpha[r]);
+    for (int c = 0; c < C; ++c) a[r][c] = vload(acc + size_t(r) * dp + d0 + 16 * c) * al;
+  }
+  for (int j = jlo; j < jhi; ++j) {
+    const float* vr = vrow[j] + d0;
+    V vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const V pb = vset(p[size_t(r) * TILE + j]);
+      for (int c = 0; c < C; ++c) a[r][c] = vfma(pb, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) vstore(acc + size_t(r) * dp + d0 + 16 * c, a[r][c]);
+}
+
+template <int R>
+inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
+                       int jlo, int jhi, int d_len, Prefetcher& pf) {
+  const int full = d_len / 16, tail = d_len % 16;
+  int c = 0;
+  for (; c + PV_COLS <= full; c += PV_COLS)
+    pv_rows<R, PV_COLS, false>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * c, 0, pf);
+  for (; c < full; ++c) pv_rows<R, 1, false>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * c, 0, pf);
+  if (tail) pv_rows<R, 1, true>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * full, tail, pf);
+}
+
+inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
+                     int jlo, int jhi, int d_len, int rows, Prefetcher& pf) {
+  switch (rows) {
+    case 1: return pv_group_r<1>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
+    case 2: return pv_group_r<2>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
+    case 3: return pv_group_r<3>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
+    default: return pv_group_r<4>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
+  }
+}
+
+// ---------------------------------------------------------------- one work item
+template <class KT>
+struct Kernel {
+  const Args& a;
+  int G, D, Dp;
+
+  // Element offsets in a cache plane of the rows (all KV heads) of the keys [ks, ke) of the tile at
+  // absolute position t0: one division per tile, then a walk along the block table.
+  void tile_offsets(const int32_t* bt, int t0, int ks, int ke, int64_t* off) const {
+    int pos = t0 + ks, blk = pos / a.block_size, in = pos % a.block_size;
+    for (int j = ks; j < ke; ++j) {
+      off[j] = (int64_t(bt[blk]) * a.block_size + in) * a.num_kv_heads * D;
+      if (++in == a.block_size) {
+        in = 0;
+        ++blk;
+      }
+    }
+  }
+
+  // The K and V lines of head h of the keys [ks, ke) of a tile at offsets off, for the prefetcher.
+  void plan_prefetch(const int64_t* off, int ks, int ke, int h, Prefetcher& pf) const {
+    const int64_t es = sizeof(KT), hoff = int64_t(h) * D * es;
+    pf.plan(static_cast<const char*>(a.k_cache) + hoff, static_cast<const char*>(a.v_cache) + hoff, off, es,
+            int(D * es), ks, ke);
+  }
+
+  // Row pointers of the keys [ks, ke) of a tile (rows at off, head at element hoff) into krow (null
+  // elsewhere), and of their values into s.vrow: the cache itself (fp32) or s.vc (converted).
+  void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
+    const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
+    const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
+    for (int j = 0; j < TILE; ++j) {
+      krow[j] = nullptr;
+      if (j < ks || j >= ke) continue;
+      krow[j] = kc + off[j];
+      if constexpr (std::is_same_v<KT, float>) {
+        s.vrow[j] = vc + off[j];
+      } else {
+        float* dst = s.vc.data() + size_t(j) * Dp;
+        for (int d = 0; d < D; ++d) dst[d] = to_f32(vc[off[j] + d]);
+        s.vrow[j] = dst;
+      }
+    }
+  }
+
+  // The tile's keys transposed into kt [Dp][TILE], zeros for absent keys and past head_dim.
+  void pack_tile(const KT* const* krow, int ks, int ke, Scratch& s) const {
+    float* kt = s.kt.data();
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    for (int g = 0; g < TV; ++g) {
+      const bool any = ks < 16 * g + 16 && ke > 16 * g;
+      for (int d0 = 0; d0 < Dp; d0 += 16) {
+        const int n = std::min(16, D - d0);
+        V rows[16];
+        for (int i = 0; i < 16; ++i) {
+          const KT* src = krow[16 * g + i];
+          rows[i] = any && src ? load16(src + d0, n) : vzero();
+        }
+        s.pf.issue(1);
+        if (any) transpose16(rows);
+        for (int dd = 0; dd < 16; ++dd) vstore(kt + size_t(d0 + dd) * TILE + 16 * g, rows[dd]);
+      }
+    }
+#else
+    for (int d = 0; d < Dp; ++d)
+      for (int j = 0; j < TILE; ++j) kt[size_t(d) * TILE + j] = krow[j] && d < D ? to_f32(krow[j][d]) : 0.0f;
+#endif
+  }
+
+  // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
+  // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
+  void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
+    float* row = s.p.data() + size_t(r) * TILE;
+    V sv[TV];
+    Mask mask[TV];
+    V mx = vset(kNegInf);
+    for (int v = 0; v < TV; ++v) {
+      sv[v] = vload(row + 16 * v);
+      if (a.softcap > 0.0f) sv[v] = vtanh(sv[v]) * vset(a.softcap * kLog2e);
+      mask[v] = lanes_in(jlo - 16 * v, jhi - 16 * v);
+      sv[v] = vselect(mask[v], sv[v], vset(kNegInf));
+      mx = vmax(mx, sv[v]);
+    }
+    const float m_old = s.m[r];
+    const float m_new = std::max(m_old, vhmax(mx));
+    float alpha = 0.0f;
+    if (m_old != kNegInf) {
+      alignas(64) float tmp[16];
+      vstore(tmp, vexp2(vset(m_old - m_new)));
+      alpha = tmp[0];
+    }
+    const V mv = vset(m_new);
+    V sum = vzero();
+    for (int v = 0; v < TV; ++v) {
+      const V pv = vselect(mask[v], vexp2(sv[v] - mv), vzero());
+      vstore(row + 16 * v, pv);
+      sum = sum + pv;
+    }
+    s.l[r] = s.l[r] * alpha + vhsum(sum);
+    s.m[r] = m_new;
+    s.alpha[r] = alpha;
+  }
+
+  // Row r of an item: head block r / nqg (KV head h0 + it), then position i0 + (r % nqg) / G, query
+  // head (r % nqg) % G of the group.
+  int64_t row_token(const Item& it, int qs, int nqg, int r) const { return qs + it.i0 + (r % nqg) / G; }
+  int64_t row_head(const Item& it, int nqg, int r) const { return int64_t(it.h0 + r / nqg) * G + (r % nqg) % G; }
+
+  void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
+    const float qmul = a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e;
+    for (int r = 0; r < rows; ++r) {
+      float* dst = s.qp.data() + size_t(r) * Dp;
+      const int64_t off = row_token(it, qs, nqg, r) * a.q_stride_t + row_head(it, nqg, r) * a.q_stride_h;
+      for (int d = 0; d < D; ++d) {
+        float x;
+        if (a.q_dtype == 0) x = static_cast<const float*>(a.q)[off + d];
+        else if (a.q_dtype == 1) x = to_f32(static_cast<const BF16*>(a.q)[off + d]);
+        else x = to_f32(static_cast<const F16*>(a.q)[off + d]);
+        dst[d] = x * qmul;
+      }
+      for (int d = D; d < Dp; ++d) dst[d] = 0.0f;
+      s.m[r] = kNegInf;
+      s.l[r] = 0.0f;
+      std::fill_n(s.acc.data() + size_t(r) * Dp, Dp, 0.0f);
+    }
+  }
+
+  // One KV head's rows [r0, r0 + n) against one tile (keys already at off).
+  void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
+                 int r0, int n, Scratch& s) const {
+    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
+    else s.pf.clear();
+    const KT* krow[TILE];
+    tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    const float* qp = s.qp.data() + size_t(r0) * Dp;
+    float* scores = s.p.data() + size_t(r0) * TILE;
+    if (n <= ROWWISE_MAX) {
+      qk_rowwise_n<KT>(qp, Dp, n, krow, ks, ke, D, scores, s.pf);
+    } else {
+      pack_tile(krow, ks, ke, s);
+      qk_packed(qp, Dp, n, s.kt.data(), D, scores, s.pf);
+    }
+    for (int r = r0; r < r0 + n; ++r) {
+      // Row r's visible keys in this tile: a function of its own position only.
+      const int pos = first + (r - r0) / G;
+      const int jlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, t0) - t0;
+      const int jhi = std::min(pos + 1, t0 + TILE) - t0;
+      if (jlo >= jhi) {
+        s.jlo[r] = s.jhi[r] = 0;
+        continue;
+      }
+      s.jlo[r] = jlo;
+      s.jhi[r] = jhi;
+      softmax_row(r, jlo, jhi, s);
+    }
+    // Rows with the same visible keys share the value loads; each row's chain is the same.
+    for (int r = r0; r < r0 + n;) {
+      if (s.jlo[r] == s.jhi[r]) {
+        ++r;
+        continue;
+      }
+      int g = 1;
+      while (g < PV_ROWS && r + g < r0 + n && s.jlo[r + g] == s.jlo[r] && s.jhi[r + g] == s.jhi[r]) ++g;
+      pv_group(s.acc.data() + size_t(r) * Dp, Dp, s.p.data() + size_t(r) * TILE, s.alpha.data() + r,
+               s.vrow.data(), s.jlo[r], s.jhi[r], D, g, s.pf);
+      r += g;
+    }
+    s.pf.flush();
+  }
+
+  void run(const Item& it, Scratch& s) const {
+    const int qs = a.query_start_loc[it.b];
+    const int ctx = a.seq_lens[it.b] - (a.query_start_loc[it.b + 1] - qs);
+    const int nqg = (it.i1 - it.i0) * G, rows = (it.h1 - it.h0) * nqg;
+    s.ensure(rows, Dp);
+    load_q(it, qs, nqg, rows, s);
+    const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
+    const int lo = a.window > 0 ? std::max(0, first - a.window + 1) : 0;
+    const int32_t* bt = a.block_tables + int64_t(it.b) * a.bt_stride;
+    int64_t off[2][TILE];
+    auto keys = [&](int t0) { return std::pair(std::max(t0, lo) - t0, std::min(t0 + TILE, last + 1) - t0); };
+    int t0 = lo / TILE * TILE;
+    {
+      const auto [ks, ke] = keys(t0);
+      tile_offsets(bt, t0, ks, ke, off[0]);
+    }
+    for (int cur = 0; t0 <= last; t0 += TILE, cur ^= 1) {
+      const auto [ks, ke] = keys(t0);
+      int ns = 0, ne = 0;
+      if (t0 + TILE <= last) {
+        std::tie(ns, ne) = keys(t0 + TILE);
+        tile_offsets(bt, t0 + TILE, ns, ne, off[cur ^ 1]);
+      }
+      for (int h = it.h0; h < it.h1; ++h)
+        tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, s);
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* dst = a.out + (row_token(it, qs, nqg, r) * a.num_heads + row_head(it, nqg, r)) * D;
+      const float* src = s.acc.data() + size_t(r) * Dp;
+      const float l = s.l[r];
+      for (int d = 0; d < D; ++d) dst[d] = src[d] / l;
+    }
+  }
+};
+
+int elem_size(int dtype) { return dtype == 0 ? 4 : 2; }
+
+void write_kv(const Args& a) {
+  const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es;
+  const int64_t n = int64_t(a.num_tokens) * a.num_kv_heads;
+  const int threads = n * row >= (int64_t(1) << 18) ? a.num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = i / a.num_kv_heads, h = i % a.num_kv_heads;
+    const int64_t dst = (a.slot_mapping[t] * a.num_kv_heads + h) * row;
+    std::memcpy(static_cast<char*>(const_cast<void*>(a.k_cache)) + dst,
+                static_cast<const char*>(a.k_new) + (t * a.k_stride_t + h * a.k_stride_h) * es, row);
+    std::memcpy(static_cast<char*>(const_cast<void*>(a.v_cache)) + dst,
+                static_cast<const char*>(a.v_new) + (t * a.v_stride_t + h * a.v_stride_h) * es, row);
+  }
+}
+
+std::vector<Item> make_items(const Args& a) {
+  std::vector<Item> items;
+  // Query positions per item: as many as asked (more rows share each key tile), but halved while
+  // the chunks would give fewer than 4 items per thread.
+  int per = std::max(1, a.positions_per_item);
+  auto chunk_items = [&](int p) {
+    int64_t n = 0;
+    for (int b = 0; b < a.num_seqs; ++b) {
+      const int ql = a.query_start_loc[b + 1] - a.query_start_loc[b];
+      if (ql > 4) n += int64_t(ql + p - 1) / p * a.num_kv_heads;
+    }
+    return n;
+  };
+  while (per > 1 && a.num_threads > 1 && chunk_items(per) < 4 * a.num_threads) per = (per + 1) / 2;
+  // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole cache rows,
+  // contiguous) when there are enough sequences to keep every thread busy, else one head.
+  int decodes = 0;
+  for (int b = 0; b < a.num_seqs; ++b) decodes += a.query_start_loc[b + 1] - a.query_start_loc[b] <= 4;
+  const int decode_heads = decodes >= 4 * a.num_threads ? a.num_kv_heads : 1;
+  for (int b = 0; b < a.num_seqs; ++b) {
+    const int ql = a.query_start_loc[b + 1] - a.query_start_loc[b];
+    const int ctx = a.seq_lens[b] - ql;
+    const int heads = ql <= 4 ? decode_heads : 1;
+    for (int i0 = 0; i0 < ql; i0 += per) {
+      const int i1 = std::min(ql, i0 + per);
+      const int lo = a.window > 0 ? std::max(0, ctx + i0 - a.window + 1) : 0;
+      const int64_t cost = int64_t(i1 - i0 + 4) * (ctx + i1 - lo + TILE) * heads;
+      for (int h = 0; h < a.num_kv_heads; h += heads) items.push_back({b, h, std::min(h + heads, a.num_kv_heads), i0, i1, cost});
+    }
+  }
+  // Longest first, so the last item a thread picks up is a short one (the result does not depend on
+  // the order: every item is computed by one thread, alone).
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  return items;
+}
+
+// Per-thread buffers, kept between calls. Reached through one call per thread and call: a
+// thread_local used directly in the loops costs a __tls_get_addr call per access in a shared library.
+__attribute__((noinline)) Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+template <class KT>
+void run_items(const Args& a, const std::vector<Item>& items) {
+  const Kernel<KT> k{a, a.num_heads / a.num_kv_heads, a.head_dim, round16(a.head_dim)};
+  const int64_t n = int64_t(items.size());
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, n)));
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    Scratch& s = thread_scratch();
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) k.run(items[i], s);
+  };
+  if (threads == 1) {
+    work();
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  work();
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* ladle_attention_isa() { return LADLE_ISA; }
+int ladle_attention_tile() { return TILE; }
+
+// 0 on success; a positive code for arguments the kernel does not take (the caller falls back).
+int ladle_paged_attention(const Args* args) {
+  const Args& a = *args;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return 1;
+  if (a.head_dim <= 0 || a.head_dim > 1024 || a.block_size <= 0) return 2;
+  if (a.q_dtype < 0 || a.q_dtype > 2 || a.kv_dtype < 0 || a.kv_dtype > 2) return 3;
+  if (a.k_new != nullptr) write_kv(a);
+  const std::vector<Item> items = make_items(a);
+  if (a.kv_dtype == 0) run_items<float>(a, items);
+  else if (a.kv_dtype == 1) run_items<BF16>(a, items);
+  else run_items<F16>(a, items);
+  return 0;
+}
+
+}  // extern "C"
+"""
