@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from runner.config import WorkloadConfig
 from runner.sources.jsonl import jsonl_files
 from runner.sources.openai_batch import CHAT_URL, BatchLine, parse_lines
+from runner.text import clean
 
 BATCH_OUTPUT = "batch_output.jsonl"
 
@@ -111,6 +112,6 @@ def write_batch_output(workload: WorkloadConfig, gen_path: Path, out_path: Path,
                            "response": {"status_code": 200, "request_id": f"req_{line.lineno}",
                                         "body": _body(line, ok, model, created, tokenizer)},
                            "error": None}
-            fh.write(json.dumps(out, ensure_ascii=False) + "\n")
+            fh.write(json.dumps(clean(out), ensure_ascii=False) + "\n")  # the sink's own defence (runner/text.py)
     os.replace(tmp, out_path)
     return out_path

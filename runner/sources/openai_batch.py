@@ -25,6 +25,7 @@ from runner.sources.base import Source, limit_total
 from runner.sources.jsonl import count_lines, jsonl_files, read_lines
 from runner.sources.rows import Row, batched
 from runner.sources.shard import Shard
+from runner.text import clean
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
@@ -106,7 +107,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
     """One input line as a BatchLine (never raises; `seen` collects the custom_ids so far)."""
     try:
-        obj = json.loads(text)
+        obj = clean(json.loads(text))  # where its strings enter: runner/text.py's rule
     except json.JSONDecodeError as e:
         return BatchLine(lineno, None, error=f"line {lineno} is not valid JSON: {e}")
     if not isinstance(obj, dict):
