@@ -47,7 +47,7 @@ class Requests:
                  calibration: Any) -> None:
         w = job.workload
         self.workload, self.source, self.tokenizer, self.resume = w, source, tokenizer, resume
-        base = base_params(job.sampling)
+        base = source.row_base(base_params(job.sampling), job.model)
         self.base = base if w.ignore_eos is None else dataclasses.replace(base, ignore_eos=w.ignore_eos)
         self.streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, calibration)
         self.seen: set[str] | None = set() if w.id_column else None  # ids so far (to find repeats)
@@ -91,6 +91,8 @@ class Requests:
         repeats = {row.index for row in batch if is_duplicate_id_error(row.error)}
         if self.seen is not None:
             for row in batch:
+                if row.id is None:  # no id of its own: nothing to repeat
+                    continue
                 if row.id in self.seen:
                     repeats.add(row.index)
                 self.seen.add(row.id)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from engine.sampling_params import SamplingParams
 from runner.config import ConfigError, WorkloadConfig
 from runner.sources.columns import check_column_types, check_columns, read_columns, sampling_columns
 from runner.sources.rows import Row, clean_row, klass
@@ -54,6 +55,11 @@ class Source:
     @property
     def columns(self) -> list[str]:
         return read_columns(self.workload, self.arrival_column)
+
+    def row_base(self, base: SamplingParams, model: Any) -> SamplingParams:
+        """The sampling params a row starts from (the config's; a format with its own defaults, such as
+        openai_batch, puts them in), before its own values."""
+        return base
 
     def owns(self, index: int) -> bool:
         """Whether row `index` is this source's to yield (a reader may skip others unread)."""

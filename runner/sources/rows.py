@@ -12,7 +12,8 @@ from runner.text import clean, clean_str
 @dataclass(slots=True)
 class Row:
     index: int  # position in the source, from 0
-    id: str  # the id column's value, else str(index)
+    id: str | None  # the id column's value, else str(index); None: a row with no id of its own (a batch line
+    # without a usable custom_id), told apart by its index
     prompt: Any  # str | list[dict] | list[int] | None
     max_tokens: Any = None  # the max_tokens column's raw value, or a synthetic row's draw (None: the default)
     arrival: Any = None  # the trace column's raw value
@@ -24,7 +25,7 @@ class Row:
 def clean_row(row: Row) -> Row:
     """The row with every string in it made encodable as UTF-8 (runner/text.py: the one rule for text
     entering the job), in place."""
-    row.id = clean_str(row.id)
+    row.id = None if row.id is None else clean_str(row.id)
     row.prompt, row.arrival, row.max_tokens = clean(row.prompt), clean(row.arrival), clean(row.max_tokens)
     row.error = None if row.error is None else clean_str(row.error)
     row.klass = None if row.klass is None else clean_str(row.klass)
