@@ -114,6 +114,16 @@ def _output_line(line: BatchLine, rows: list[dict[str, Any]], workload: Workload
             "error": _samples_failed(body["choices"])}
 
 
+# Characters JSON keeps raw in strings that line splitters (Python's str.splitlines among them) take for
+# line ends: escaped, so every output line is one line to any reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _jsonl(obj: dict[str, Any]) -> str:
+    """One output line: its text cleaned (the sink's own defence, runner/text.py), line breaks escaped."""
+    return json.dumps(clean(obj), ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def write_batch_output(workload: WorkloadConfig, gen_path: Path, out_path: Path, tokenizer: Any, model: str) -> Path:
     """The output JSONL for the input file(s) of `workload`, from generations.parquet, written atomically."""
     rows: dict[int, list[dict[str, Any]]] = {}  # by row index: the line's (ids may be missing or repeated)
@@ -127,6 +137,6 @@ def write_batch_output(workload: WorkloadConfig, gen_path: Path, out_path: Path,
     with open(tmp, "w", encoding="utf-8") as fh:
         for line in parse_lines(jsonl_files(workload), workload.limit):
             out = _output_line(line, rows.get(line.lineno - 1, []), workload, tokenizer, model, created)
-            fh.write(json.dumps(clean(out), ensure_ascii=False) + "\n")  # the sink's own defence (runner/text.py)
+            fh.write(_jsonl(out) + "\n")
     os.replace(tmp, out_path)
     return out_path

@@ -179,3 +179,10 @@ def test_an_interrupted_batch_with_lines_without_ids_resumes_each_line_once(tmp_
     gen = pq.read_table(tmp_path / "out" / "generations.parquet").to_pylist()
     assert sorted(r["index"] for r in gen) == [0, 1, 2, 3, 4]
     assert [o["custom_id"] for o in read_output(tmp_path / "out")] == [None, "a", None, "b", None]
+
+
+def test_a_custom_id_holding_a_line_separator_stays_on_its_output_line(tmp_path):
+    """JSON keeps U+2028, U+2029 and U+0085 raw in strings; str.splitlines (and other readers) split the
+    output line there (found by the fuzz test)."""
+    _, out = run_batch(tmp_path, [req("a\u2028b\x85c\u2029"), req("d")])
+    assert [o["custom_id"] for o in out] == ["a\u2028b\x85c\u2029", "d"]
