@@ -158,8 +158,8 @@ class OpenAIBatchSource(Source):
     def row_base(self, base: SamplingParams, model: Any) -> SamplingParams:
         """The fields the format defines take its defaults (openai_body.py), not the config's."""
         defaults = format_defaults(model)
-        log.info("openai_batch: a line without them samples with %s", {k: v for k, v in defaults.items()
-                                                                      if k in ("temperature", "top_p", "top_k")})
+        shown = ", ".join(f"{k}={defaults[k]}" for k in ("temperature", "top_p", "top_k", "min_p"))
+        log.info("openai_batch: lines that leave them out sample with %s (the format's defaults)", shown)
         return dataclasses.replace(base, **defaults)
 
     def read(self) -> Iterator[list[Row]]:
