@@ -285,10 +285,44 @@ def check(job: JobConfig) -> None:
         raise ConfigError(f"threads={job.threads} must be >= 1 or null (null = the free cores)")
     if job.max_pending is not None and job.max_pending < job.max_num_seqs:
         raise ConfigError(f"max_pending={job.max_pending} must be >= max_num_seqs ({job.max_num_seqs}) or null")
-    from runner.sampling_check import check_sampling  # runner.sampling imports the engine's SamplingParams
-
-    check_sampling(job)
+    _check_sampling(job)
     try:
         engine_config(job).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_sampling(job: JobConfig) -> None:
+    from runner.sampling import COLUMN_KEYS, base_params, param_problems
+    from runner.vocabulary import stop_token_ids_error
+
+    w = job.workload
+    for key, column in w.columns.items():
+        if key not in COLUMN_KEYS:
+            raise ConfigError(f"workload.columns.{key}: {key!r} is not a per-row sampling key; "
+                              f"use one of {', '.join(COLUMN_KEYS)}")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"workload.columns.{key}={column!r} must name a column")
+    if (w.columns or w.max_tokens_column) and w.kind in ("synthetic", "openai_batch"):
+        raise ConfigError(f"workload.columns / max_tokens_column name dataset columns; workload.kind={w.kind} has "
+                          "none (synthetic: the groups' max_tokens; openai_batch: each line's body)")
+    mt = w.columns.get("max_tokens")
+    if mt and w.max_tokens_column and mt != w.max_tokens_column:
+        raise ConfigError(f"workload.max_tokens_column={w.max_tokens_column!r} and workload.columns.max_tokens="
+                          f"{mt!r} disagree: set one of them")
+    try:
+        params = base_params(job.sampling)
+    except ValueError as e:
+        raise ConfigError(f"sampling.structured: {e}") from None
+    problems = param_problems(params)
+    if problems:
+        raise ConfigError("sampling: " + "; ".join(problems))
+    error = stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+    if error:
+        raise ConfigError(error)
+    if params.structured is not None:  # a spec for every row that cannot compile would fail every row
+        from engine.structured_output import spec_error
+
+        error = spec_error(params.structured)
+        if error:
+            raise ConfigError(f"sampling.structured: {error}")
