@@ -14,6 +14,7 @@ each invalid byte becoming U+FFFD (Python's `errors="replace"`).
 from __future__ import annotations
 
 import re
+from array import array
 from typing import Any
 
 REPLACEMENT = "\ufffd"
@@ -35,7 +36,18 @@ def clean(value: Any) -> Any:
         return clean_str(value)
     if isinstance(value, dict):
         return {clean(k): clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):  # scalars inline: a prompt of token ids is a long list of ints
+    if isinstance(value, (list, tuple)):
+        if _all_ints(value):  # a prompt of token ids: a long list with no text in it
+            return value
         items = [v if type(v) in _SCALARS else clean(v) for v in value]
         return items if isinstance(value, list) else tuple(items)
     return value
+
+
+def _all_ints(values: list | tuple) -> bool:
+    """Whether every item is an int, checked at C speed (array raises on any other item)."""
+    try:
+        array("q", values)
+    except (TypeError, OverflowError):
+        return False
+    return True
