@@ -64,6 +64,9 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from runner.cli_warnings import install
+
+    install()  # ladle's warnings on one line each (`ladle: warning: ...`)
     try:
         _main()
     except SystemExit as e:

@@ -294,6 +294,7 @@ def check(job: JobConfig) -> None:
 
 def _check_sampling(job: JobConfig) -> None:
     from runner.sampling import COLUMN_KEYS, base_params, param_problems
+    from runner.vocabulary import stop_token_ids_error
 
     w = job.workload
     for key, column in w.columns.items():
@@ -316,6 +317,9 @@ def _check_sampling(job: JobConfig) -> None:
     problems = param_problems(params)
     if problems:
         raise ConfigError("sampling: " + "; ".join(problems))
+    error = stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+    if error:
+        raise ConfigError(error)
     if params.structured is not None:  # a spec for every row that cannot compile would fail every row
         from engine.structured_output import spec_error
 

@@ -43,8 +43,11 @@ class Loop:
         self.max_pending = job.max_pending or 4 * job.max_num_seqs
         self.heap: list[tuple[float, int, Pending]] = []  # (absolute arrival, source order, request)
         self.order = itertools.count()
-        self.in_engine: dict[str, Pending] = {}
-        self.failed: dict[str, Pending] = {}  # requests that reported an error: later samples still get rows
+        self.in_engine: dict[str, Pending] = {}  # requests with a sample the engine may still report
+        # A tokenless sample-0 error of a request that ran (id -> request, row): the whole request's (it
+        # failed before its fork) or sample 0's alone; held until a sibling's output or the engine's end
+        # tells, so that a run stopped meanwhile never leaves a row that resume would misread.
+        self.held: dict[str, tuple[Pending, dict[str, Any]]] = {}
         self.arrived = 0  # requests added since the last step
         self.last_step: int | None = None
         self.output_tokens = 0
@@ -57,9 +60,10 @@ class Loop:
         self.bar.close()
         abort = getattr(self.eng, "abort_request", None)
         if abort is not None:
-            for rid in self.in_engine:
+            for rid in [*self.in_engine, *self.held]:
                 abort(rid)
         self.in_engine.clear()
+        self.held.clear()  # never written: a resume runs the request again
 
     def run(self) -> None:
         eng, clock = self.eng, self.clock
@@ -75,6 +79,8 @@ class Loop:
                 if idle_steps > NO_PROGRESS_LIMIT:
                     raise RuntimeError(f"the engine made no progress in {NO_PROGRESS_LIMIT} steps with "
                                        f"{len(self.in_engine)} unfinished requests")
+                if not eng.has_unfinished_requests():
+                    self._drained()
             elif self.heap:
                 clock.advance_to(self.heap[0][0])
             elif exhausted:
@@ -114,26 +120,55 @@ class Loop:
         if s is None or s.step == self.last_step:
             return False
         self.last_step = s.step
+        for rid in s.scheduled:
+            p = self.in_engine.get(rid)
+            if p is not None:
+                p.ran = True
         self.writer.step(step_columns(s, self.t0, self.arrived))
         self.arrived = 0
         return s.decode_tokens + s.prefill_tokens > 0
 
     def _finished(self, o: Any) -> None:
-        """n finished outputs per request, one row each."""
-        p = self.in_engine.get(o.request_id) or self.failed.get(o.request_id)
+        """n finished outputs per request, one row each; a request that failed before its fork has one
+        output (sample 0, no token) for all n."""
+        rid, k = o.request_id, getattr(o, "sample_index", 0) or 0
+        held = self.held.pop(rid, None)
+        p = held[0] if held is not None else self.in_engine.get(rid)
         if p is None:  # a request someone else put into a shared engine: not this job's row
             log.warning("ignoring output of request %r, which this job did not add", o.request_id)
             return
         p.remaining -= 1
-        if p.remaining <= 0 or o.finish_reason == "error":
-            # an error before the fork is the only output of all n samples; one after it, just its own
-            self.in_engine.pop(o.request_id, None)
-            if o.finish_reason == "error" and p.remaining > 0:
-                self.failed[o.request_id] = p
-        if (getattr(o, "sample_index", 0) or 0) in p.skip:  # a previous run wrote it (a resumed row)
+        values = output_columns(o, self.t0)
+        tokenless_first_error = (o.finish_reason == "error" and not o.output_token_ids and held is None
+                                 and k == 0 and p.remaining == p.params.n - 1 > 0)
+        if tokenless_first_error and p.ran:  # the whole request's error, or sample 0's alone: wait and see
+            self.in_engine.pop(rid, None)
+            self.held[rid] = (p, values)
             return
-        self.output_tokens += len(o.output_token_ids)
-        self._write(p, output_columns(o, self.t0))
+        if tokenless_first_error:  # never scheduled, so never forked: the one output of all n samples
+            p.remaining = 0
+        if p.remaining > 0:
+            self.in_engine[rid] = p  # (back from held: its siblings are still running)
+        else:
+            self.in_engine.pop(rid, None)
+        self._write_sample(p, k, values)
+        if held is not None:  # a sibling reported: the held error was sample 0's own
+            self._write_sample(p, 0, held[1])
+
+    def _drained(self) -> None:
+        """The engine finished everything: a held error was its whole request's (no sibling came)."""
+        for p, values in self.held.values():
+            self._write_sample(p, 0, values)
+        if self.in_engine:  # an engine reporting fewer outputs than samples: never wait for them
+            log.warning("the engine finished %d requests without an output for every sample", len(self.in_engine))
+        self.held.clear()
+        self.in_engine.clear()
+
+    def _write_sample(self, p: Pending, k: int, values: dict[str, Any]) -> None:
+        if k in p.skip:  # a previous run wrote it (a resumed row)
+            return
+        self.output_tokens += values["output_tokens"]
+        self._write(p, values)
 
     def _write(self, p: Pending, values: dict[str, Any]) -> None:
         row = {**request_columns(p, self.include_prompt), **values}

@@ -26,6 +26,23 @@ def error_columns(p: Pending) -> dict[str, Any]:
             "num_preemptions": 0, "num_cached_tokens": 0}
 
 
+def unwritable_row(row: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """What generations.parquet gets instead of a row pyarrow cannot encode: an error row of the same
+    request and sample (what identifies it kept when it can be written; the token count too, so resume
+    still tells a sample that drew tokens from a request that failed before its fork)."""
+    def kept(key: str, cast: type) -> Any:
+        try:
+            return None if row.get(key) is None else cast(row[key])
+        except (TypeError, ValueError):
+            return None
+
+    out = {"id": kept("id", str), "index": kept("index", int), "class": kept("class", str),
+           "sample_index": kept("sample_index", int) or 0, "attempt": kept("attempt", int),
+           "prompt_tokens": kept("prompt_tokens", int), "output_tokens": kept("output_tokens", int) or 0}
+    return {**out, "output_text": "", "output_token_ids": [], "token_times_s": [], "finish_reason": "error",
+            "error": f"this row could not be written to generations.parquet ({type(error).__name__}: {error})"}
+
+
 def output_columns(o: Any, t0: float) -> dict[str, Any]:
     """One finished output of the engine (a sample of a request)."""
     m = o.metrics

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from runner.sinks import sample_indices
+from runner.text import clean
 
 LATENCIES = ("ttft", "itl", "tpot", "e2e", "queue")
 STATS = ("mean", "p50", "p90", "p99", "max")
@@ -246,5 +247,6 @@ def format_table(s: dict[str, Any]) -> str:
 
 def write_summary(summary: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    # Cleaned like every text the job writes (runner/text.py): the overrides and paths come from argv.
+    tmp.write_text(json.dumps(clean(summary), indent=2, default=str) + "\n")
     tmp.replace(path)

@@ -37,6 +37,7 @@ class Pending:
     error: str | None = None
     skip: frozenset[int] = frozenset()  # sample indices a previous run already wrote (resume)
     remaining: int = 1  # samples not yet finished
+    ran: bool = False  # an engine step scheduled it (else it cannot have forked into samples)
 
 
 class Requests:
@@ -46,7 +47,7 @@ class Requests:
                  calibration: Any) -> None:
         w = job.workload
         self.workload, self.source, self.tokenizer, self.resume = w, source, tokenizer, resume
-        base = base_params(job.sampling)
+        base = source.row_base(base_params(job.sampling), job.model)
         self.base = base if w.ignore_eos is None else dataclasses.replace(base, ignore_eos=w.ignore_eos)
         self.streams = ArrivalStreams(w.arrivals, w.class_arrivals if w.class_column else {}, calibration)
         self.seen: set[str] | None = set() if w.id_column else None  # ids so far (to find repeats)
@@ -60,8 +61,9 @@ class Requests:
     def _batch(self, batch: list[Row]) -> Iterator[Pending]:
         params = {row.index: self._params(row) for row in batch}
         repeats = self._repeats(batch)
-        done = {row.index for row in batch
-                if self.resume.row_done(row.id, row.index, params[row.index][0].n, row.index in repeats)}
+        progress = {row.index: self.resume.progress(row.id, row.index, params[row.index][0].n, row.index in repeats)
+                    for row in batch}
+        done = {i for i, pr in progress.items() if pr.done}
         # Encoded first: a `load` arrival rate needs the mean prompt length of its rows.
         streams = self.streams
         encoded = {row.index: self._encode(row) for row in batch if row.index not in done or streams.unresolved()}
@@ -82,13 +84,15 @@ class Requests:
             enc = encoded[row.index]
             p, p_error = params[row.index]
             error = error or enc.error or p_error
-            yield Pending(row, arrival, enc.token_ids, enc.text, p, error, self.resume.written(row.id, repeat), p.n)
+            yield Pending(row, arrival, enc.token_ids, enc.text, p, error, progress[row.index].written, p.n)
 
     def _repeats(self, batch: list[Row]) -> set[int]:
         """Indices of the batch's rows whose id repeats an earlier row's (here, or marked by a shard)."""
         repeats = {row.index for row in batch if is_duplicate_id_error(row.error)}
         if self.seen is not None:
             for row in batch:
+                if row.id is None:  # no id of its own: nothing to repeat
+                    continue
                 if row.id in self.seen:
                     repeats.add(row.index)
                 self.seen.add(row.id)

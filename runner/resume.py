@@ -34,12 +34,14 @@ from runner.sources.rows import is_duplicate_id_error
 log = logging.getLogger("ladle")
 
 # An id whose only row is an error at sample 0 with no token failed before its prompt forked into
-# samples: that row stands for all n, so the id is done whatever the row's n.
+# samples: that row stands for all n, so the id is done whatever the row's n. (The loop writes such a row
+# only once it knows: a tokenless sample-0 error of a request that ran waits until a sibling's output or
+# the engine's end tells whether it was the whole request's; runner/loop.py.)
 ERRORED = -1
 
 
 def is_done(written: int | None, n: int) -> bool:
-    """Whether a row whose previous runs wrote these samples (bit mask) needs no more samples."""
+    """Whether an id whose previous runs wrote these samples (bit mask, or ERRORED) needs no more."""
     if written is None or written == ERRORED:
         return written is not None
     if n > written.bit_length():  # a sample index this high was never written (and no huge mask is built)
@@ -54,22 +56,32 @@ def written_samples(written: int | None) -> frozenset[int]:
     return frozenset(k for k in range(written.bit_length()) if written >> k & 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the previous runs wrote of one input row."""
+
+    done: bool  # the row needs nothing more: it is skipped
+    written: frozenset[int] = frozenset()  # its samples already written: a rerun writes only the others
+
+
 @dataclass(slots=True)
 class ResumeState:
     """What the previous runs into the directory wrote (empty for a fresh run)."""
 
     done: dict[str, int] = field(default_factory=dict)  # id -> samples written (bit mask), or ERRORED
-    repeats: set[tuple[str, int]] = field(default_factory=set)  # (id, index) of a repeat's error row
+    # (id, index) of the error rows of rows that do not own their id: a repeated id's, or one without an id
+    repeats: set[tuple[str | None, int]] = field(default_factory=set)
     attempt: int = 0  # this run's number: 0 for the first run into the directory
 
-    def row_done(self, rid: str, index: int, n: int, repeat: bool) -> bool:
-        """Whether a row needs nothing more: a repeat when its error row was written, any other row when
-        all n of its samples were (the id's samples are its first row's)."""
-        return (rid, index) in self.repeats if repeat else is_done(self.done.get(rid), n)
-
-    def written(self, rid: str, repeat: bool) -> frozenset[int]:
-        """The sample indices of a row that a previous run already wrote."""
-        return frozenset() if repeat else written_samples(self.done.get(rid))
+    def progress(self, rid: str | None, index: int, n: int, repeat: bool) -> Progress:
+        """THE notion of done, for a row with id `rid` at `index` asking for `n` samples. A row that does not
+        own its id (`repeat`: its id repeats an earlier row's; or it has none) is done when its error row
+        was written; any other row when all n samples of its id were (a sample's error row counts), or
+        when the id's one row is the whole request's error, before the fork."""
+        if repeat or rid is None:
+            return Progress((rid, index) in self.repeats)
+        written = self.done.get(rid)
+        return Progress(is_done(written, n), written_samples(written))
 
     @classmethod
     def read(cls, gen_path: Path, steps_path: Path, output: OutputConfig) -> ResumeState:
@@ -88,7 +100,7 @@ class ResumeState:
                     else [0] * t.num_rows)
             for rid, k, err, msg, i, n_out in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
                                                   indices, drew, strict=True):
-                if err and is_duplicate_id_error(msg):  # the repeat's row, not the id's own
+                if rid is None or (err and is_duplicate_id_error(msg)):  # not the id's own row
                     state.repeats.add((rid, i))
                 else:
                     state.done[rid] = state.done.get(rid, 0) | (1 << k)

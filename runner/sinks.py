@@ -9,14 +9,19 @@ without its footer: its rows are lost and recomputed by the next run, the finish
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from runner.text import clean
+
+log = logging.getLogger("ladle")
 
 CONFIG_KEY = b"ladle.config"
 GENERATIONS = "generations.parquet"  # one row per finished request (per sample)
@@ -99,12 +104,22 @@ def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
+# What pyarrow raises for a row it cannot encode (a string UTF-8 cannot hold, a value of the wrong type).
+UNWRITABLE = (pa.ArrowException, UnicodeError, TypeError, ValueError, OverflowError)
+
+
 class ParquetSink:
-    def __init__(self, path: Path, schema: pa.Schema, row_group_size: int, metadata: dict[bytes, bytes]) -> None:
+    """`repair(row, error)`: the row to write instead of one pyarrow cannot encode even with its strings
+    cleaned (runner/text.py); None drops such a row with a warning. Either way the rows beside it are
+    written: one bad row never costs its row group."""
+
+    def __init__(self, path: Path, schema: pa.Schema, row_group_size: int, metadata: dict[bytes, bytes],
+                 repair: Callable[[dict[str, Any], Exception], dict[str, Any]] | None = None) -> None:
         self.path = Path(path)
         self.tmp = tmp_path(self.path)
         self.schema = schema.with_metadata(metadata)
         self.row_group_size = row_group_size
+        self.repair = repair
         self._rows: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.tmp, self.schema)
         self.rows_written = 0
@@ -128,8 +143,36 @@ class ParquetSink:
             assert self._writer is not None
             # Taken out of the buffer first: a Ctrl-C right after the write must not write them twice.
             rows, self._rows = self._rows, []
-            self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
-            self.rows_written += len(rows)
+            try:
+                table = pa.Table.from_pylist(rows, schema=self.schema)
+            except UNWRITABLE:  # find the rows pyarrow cannot encode; write the others as they are
+                table = pa.Table.from_pylist([r for r in map(self._writable, rows) if r is not None],
+                                             schema=self.schema)
+            self._writer.write_table(table)
+            self.rows_written += table.num_rows
+
+    def _writable(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The row if pyarrow can encode it, else its cleaned form, else `repair`'s row (None: dropped)."""
+        if self._encode_error(row) is None:
+            return row
+        cleaned = clean(row)
+        error = self._encode_error(cleaned)
+        if error is None:
+            log.warning("%s: a row held text UTF-8 cannot encode; written with U+FFFD", self.path.name)
+            return cleaned
+        if self.repair is not None:
+            fixed = self.repair(cleaned, error)
+            if self._encode_error(fixed) is None:
+                return fixed
+        log.warning("%s: dropped a row that cannot be written: %s", self.path.name, error)
+        return None
+
+    def _encode_error(self, row: dict[str, Any]) -> Exception | None:
+        try:
+            pa.Table.from_pylist([row], schema=self.schema)
+        except UNWRITABLE as e:
+            return e
+        return None
 
     def close(self) -> None:
         """Flush, close and atomically move the file into place (safe to call twice)."""

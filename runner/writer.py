@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import OutputConfig
+from runner.records import unwritable_row
 from runner.sinks import (
     CONFIG_KEY,
     GENERATIONS,
@@ -21,19 +22,22 @@ from runner.sinks import (
     generations_schema,
     previous_batches,
 )
+from runner.text import clean_str
 
 
 class RunWriter:
     def __init__(self, out: Path, output: OutputConfig, config_yaml: str, attempt: int) -> None:
         self.attempt = attempt
         self.retry_errors = output.retry_errors
-        meta = {CONFIG_KEY: config_yaml.encode()}  # the resolved config, in each file's schema metadata
+        # The resolved config, in each file's schema metadata (a path from the command line may hold
+        # bytes that are not UTF-8: cleaned like any text the job writes).
+        meta = {CONFIG_KEY: clean_str(config_yaml).encode()}
         schema = generations_schema(output.include_prompt)
-        self.gen = ParquetSink(out / GENERATIONS, schema, output.row_group_size, meta)
+        self.gen = ParquetSink(out / GENERATIONS, schema, output.row_group_size, meta, repair=unwritable_row)
         try:
             self.steps = ParquetSink(out / STEPS, STEPS_SCHEMA, output.steps_row_group_size, meta)
         except BaseException:
-            self.gen.close()
+            self.gen.abort()  # never close: the empty new file would replace the previous runs' rows
             raise
         self.copied = False
         self.rows_before = 0  # generations rows the previous runs left

@@ -11,6 +11,7 @@ from runner.config import ConfigError, WorkloadConfig
 from runner.sources.base import Source, find_files, limit_total, resolve_path
 from runner.sources.rows import Row
 from runner.sources.shard import Shard
+from runner.sources.utf8 import pylist
 
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
@@ -51,7 +52,7 @@ class ParquetSource(Source):
                 if shard.routing.owns_any(shard.k, offset, end):
                     start = offset
                     for b in pf.iter_batches(batch_size=bs, row_groups=[rg], columns=cols, use_threads=False):
-                        rows = self.rows_from_columns({c: b.column(c).to_pylist() for c in cols}, start)
+                        rows = self.rows_from_columns({c: pylist(b.column(c)) for c in cols}, start)
                         start += b.num_rows
                         yield [r for r in rows if limit is None or r.index < limit]
                 offset += n

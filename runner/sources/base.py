@@ -13,10 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from engine.sampling_params import SamplingParams
 from runner.config import ConfigError, WorkloadConfig
 from runner.sources.columns import check_column_types, check_columns, read_columns, sampling_columns
-from runner.sources.rows import Row, klass
+from runner.sources.rows import Row, clean_row, klass
 from runner.sources.shard import Shard
+from runner.sources.utf8 import pylist
 
 
 class Source:
@@ -54,14 +56,19 @@ class Source:
     def columns(self) -> list[str]:
         return read_columns(self.workload, self.arrival_column)
 
+    def row_base(self, base: SamplingParams, model: Any) -> SamplingParams:
+        """The sampling params a row starts from (the config's; a format with its own defaults, such as
+        openai_batch, puts them in), before its own values."""
+        return base
+
     def owns(self, index: int) -> bool:
         """Whether row `index` is this source's to yield (a reader may skip others unread)."""
         return self.shard is None or self.shard.owns(index)
 
     def batches(self) -> Iterator[list[Row]]:
-        if self.shard is None:
-            return self.read()
-        return self.shard.take(self.read())
+        """The rows, every string in them encodable as UTF-8 (runner/text.py), whatever the kind."""
+        rows = self.read() if self.shard is None else self.shard.take(self.read())
+        return ([clean_row(row) for row in batch] for batch in rows)
 
     def read(self) -> Iterator[list[Row]]:
         """The rows in source order, in batches of about workload.batch_size (the kind's reader)."""
@@ -109,7 +116,7 @@ class Source:
     def arrow_rows(self, batches: Iterator[pa.RecordBatch | pa.Table]) -> Iterator[list[Row]]:
         """Arrow record batches (or tables) as rows (see `numbered`)."""
         cols = self.columns
-        return self.numbered({name: b.column(name).to_pylist() for name in cols} for b in batches)
+        return self.numbered({name: pylist(b.column(name)) for name in cols} for b in batches)
 
 
 def resolve_path(path: str) -> Path:

@@ -38,7 +38,10 @@ class HFDatasetSource(Source):
             except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
                 raise ConfigError(f"workload.path={workload.path!r} could not be loaded with datasets "
                                   f"(set workload.hf_builder=json|csv|parquet|text?): {e}") from None
-            names = list(ds.column_names or []) or list(next(iter(ds)).keys())
+            try:
+                names = list(ds.column_names or []) or list(next(iter(ds)).keys())
+            except Exception as e:  # noqa: BLE001 - the first rows datasets could not read
+                raise ConfigError(_unreadable(workload, e)) from None
         self.check_columns(names, repr(workload.path))
         self.dataset = ds.select_columns(self.columns)
         self.description = f"hf_dataset {workload.path}" + (" (streaming)" if self.streaming else "")
@@ -56,7 +59,20 @@ class HFDatasetSource(Source):
         return splits[0]
 
     def read(self) -> Iterator[list[Row]]:
-        bs = self.workload.batch_size
-        if self.streaming:
-            return self.numbered(iter(self.dataset.iter(batch_size=bs)))
-        return self.arrow_rows(self.dataset.with_format("arrow").iter(batch_size=bs))
+        # Arrow batches either way: strings whose bytes are not UTF-8 are decoded by the base (sources/utf8.py),
+        # where datasets' own conversion to Python would raise.
+        batches = self.dataset.with_format("arrow").iter(batch_size=self.workload.batch_size)
+        return self.arrow_rows(self._guarded(batches) if self.streaming else batches)
+
+    def _guarded(self, batches: Iterator) -> Iterator:
+        """A streamed dataset's batches; datasets failing to read on (e.g. JSON holding a lone surrogate,
+        which its JSON reader refuses) stops the job as a data error (exit 2), the rows so far written."""
+        try:
+            yield from batches
+        except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+            raise ConfigError(_unreadable(self.workload, e)) from None
+
+
+def _unreadable(workload: WorkloadConfig, e: Exception) -> str:
+    return (f"workload.path={workload.path!r}: datasets could not read the data ({type(e).__name__}: {e}); "
+            "fix the file, or read it with another workload.kind (jsonl reads JSON Lines datasets refuses)")

@@ -53,26 +53,40 @@ def jsonl_files(workload: WorkloadConfig) -> list[Path]:
     return find_files(resolve_path(workload.path), JSONL_SUFFIXES, workload.kind)
 
 
+def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
+    """The keys of the lines' objects, read until every `wanted` key is among them (usually on line 1; a
+    key no line has reads every line). A line is parsed only while no object was seen yet, or when its
+    bytes could hold a key still missing: the key as JSON writes it, or a \\u escape."""
+    missing, seen = set(wanted), {}
+    needles = {k: json.dumps(k, ensure_ascii=False).encode() for k in wanted}
+    first = True
+    for line in read_lines(files):
+        if not missing:
+            break
+        raw = line.raw
+        if not (first or b"\\u" in raw or any(needles[k] in raw for k in missing)):
+            continue
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            first = False
+            seen.update(dict.fromkeys(obj))
+            missing -= obj.keys()
+    return list(seen)
+
+
 class JsonlSource(Source):
-    """One object per line; its keys are the columns."""
+    """One object per line; its keys are the columns (a column is present when any line has it)."""
 
     def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
         super().__init__(workload, arrival_column, shard)
         self.files = jsonl_files(workload)
-        first = self._first_object()
-        if first is not None:
-            self.check_columns(list(first), f"the first line of {self.files[0]}")
+        where = str(self.files[0]) if len(self.files) == 1 else f"the {len(self.files)} files in {workload.path}"
+        self.check_columns(keys_seen(self.files, self.columns), f"any line of {where}")
         self.description = f"jsonl {workload.path} ({len(self.files)} files)"
         self.num_rows = limit_total(count_lines(self.files), workload.limit)
-
-    def _first_object(self) -> dict | None:
-        for line in read_lines(self.files, 1):
-            try:
-                obj = json.loads(line.raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return None
-            return obj if isinstance(obj, dict) else None
-        return None
 
     def read(self) -> Iterator[list[Row]]:
         lines = read_lines(self.files, self.workload.limit)

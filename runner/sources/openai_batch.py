@@ -4,34 +4,40 @@ Input, one request per line (https://platform.openai.com/docs/api-reference/batc
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [...], "max_completion_tokens": 64, "temperature": 0.7, ...}}
 `url` is /v1/chat/completions (body.messages; the chat template is applied) or /v1/completions
-(body.prompt: text or token ids). The body's sampling fields become the row's sampling values (they
-override the config's `sampling` defaults); fields ladle has no use for (model, user, penalties,
-stream...) are ignored. A line that cannot run (not JSON, no custom_id, a duplicate custom_id, another
-url, a bad body) becomes an error row and an error line in the output, never a stopped job.
+(body.prompt: text or token ids). The body's sampling fields become the row's sampling values, and the
+fields the format defines take its defaults, not the config's (runner/sources/openai_body.py); fields
+ladle has no use for (model, user, penalties, stream...) are ignored. A line that cannot run (not JSON,
+no custom_id, a duplicate custom_id, another url, a bad body) becomes an error row and an error line in
+the output, never a stopped job. A row's id is its line's custom_id; a line without a usable one has
+no id (null), which no custom_id can collide with; a duplicate's error row has the repeated id, told
+apart by its row index as any repeated id's is.
 
 The output file is written by runner/batch_output.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.sampling_params import SamplingParams
 from runner.config import WorkloadConfig
 from runner.sources.base import Source, limit_total
 from runner.sources.jsonl import count_lines, jsonl_files, read_lines
-from runner.sources.rows import Row, batched
+from runner.sources.openai_body import BadLine, body_sampling, format_defaults
+from runner.sources.rows import Row, batched, duplicate_id_error
 from runner.sources.shard import Shard
+from runner.text import clean
+
+log = logging.getLogger("ladle")
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
-
-
-class BadLine(ValueError):
-    """A batch input line that cannot be run (the message becomes its error)."""
 
 
 @dataclass
@@ -39,16 +45,13 @@ class BatchLine:
     """One parsed input line: what to run, or why it cannot run."""
 
     lineno: int  # from 1, counting non-blank lines of all files in order
-    custom_id: str | None
+    custom_id: str | None  # as the output file shows it
     url: str | None = None
     prompt: Any = None  # chat messages, text, or token ids
     sampling: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-
-    @property
-    def row_id(self) -> str:
-        """The generations id: the custom_id, or `<line N>` for a line that cannot run under it."""
-        return f"<line {self.lineno}>" if self.error else str(self.custom_id)
+    row_id: str | None = None  # the generations id: the custom_id when the line has a usable one
+    echo: bool = False  # completions: the prompt goes before the completion (and its logprobs)
 
 
 def _content(m: Any, i: int) -> dict[str, str]:
@@ -69,44 +72,10 @@ def _content(m: Any, i: int) -> dict[str, str]:
     return {"role": m["role"], "content": c}
 
 
-def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The body's sampling fields by ladle's sampling keys (values checked later, per row)."""
-    s: dict[str, Any] = {}
-    mt = body.get("max_completion_tokens") if chat else None
-    mt = mt if mt is not None else body.get("max_tokens")
-    if mt is not None:
-        s["max_tokens"] = mt
-    for key in ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p"):
-        if body.get(key) is not None:
-            s[key] = body[key]
-    if chat:
-        if body.get("logprobs") not in (None, False):
-            if body["logprobs"] is not True:
-                raise BadLine(f"body.logprobs={body['logprobs']!r} must be true or false (chat completions)")
-            s["logprobs"] = body.get("top_logprobs") or 0
-        elif body.get("top_logprobs"):
-            raise BadLine("body.top_logprobs needs body.logprobs=true")
-    elif body.get("logprobs") is not None:
-        s["logprobs"] = body["logprobs"]
-    rf = body.get("response_format")
-    if rf is not None:
-        kind = rf.get("type") if isinstance(rf, dict) else None
-        if kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
-                raise BadLine("body.response_format.json_schema.schema is missing (an object is needed)")
-            s["json_schema"] = js["schema"]
-        elif kind == "json_object":
-            s["json_schema"] = {"type": "object"}
-        elif kind != "text":
-            raise BadLine(f"body.response_format={rf!r:.80}: type must be text, json_object or json_schema")
-    return s
-
-
 def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
     """One input line as a BatchLine (never raises; `seen` collects the custom_ids so far)."""
     try:
-        obj = json.loads(text)
+        obj = clean(json.loads(text))  # where its strings enter: runner/text.py's rule
     except json.JSONDecodeError as e:
         return BatchLine(lineno, None, error=f"line {lineno} is not valid JSON: {e}")
     if not isinstance(obj, dict):
@@ -116,40 +85,46 @@ def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
         return BatchLine(lineno, None if cid is None else str(cid),
                          error=f"line {lineno} has no custom_id (a non-empty string is needed)")
     if cid in seen:
-        return BatchLine(lineno, cid, error=f"line {lineno}: custom_id {cid!r} is a duplicate of an earlier line")
+        return BatchLine(lineno, cid, row_id=cid, error=f"{duplicate_id_error(cid, 'custom_id')}: line {lineno} "
+                                                        "repeats an earlier line's")
     seen.add(cid)
-    line = BatchLine(lineno, cid, url=obj.get("url"))
+    line = BatchLine(lineno, cid, url=obj.get("url"), row_id=cid)
     try:
-        if obj.get("method", "POST") != "POST":
-            raise BadLine(f"method={obj.get('method')!r} is not supported: use POST")
-        if line.url not in URLS:
-            raise BadLine(f"url={line.url!r} is not supported: use {' or '.join(URLS)}")
-        body = obj.get("body")
-        if not isinstance(body, dict):
-            raise BadLine("body is missing or not an object")
-        chat = line.url == CHAT_URL
-        if "messages" in body and "prompt" in body:
-            raise BadLine("body has both messages and prompt: give one (messages for chat, prompt for completions)")
-        if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise BadLine(f"body.messages must be a non-empty list for {CHAT_URL}")
-            line.prompt = [_content(m, i) for i, m in enumerate(msgs)]
-        else:
-            p = body.get("prompt")
-            if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-                if len(p) != 1:
-                    raise BadLine(f"body.prompt holds {len(p)} prompts: give one prompt per line")
-                p = p[0]
-            if not (isinstance(p, str) or (isinstance(p, list) and p and all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in p))):
-                raise BadLine(f"body.prompt must be a string or a list of token ids for {COMPLETIONS_URL}")
-            line.prompt = p
-        line.sampling = _sampling(body, chat)
+        _parse_request(obj, line)
     except BadLine as e:
         line.error = f"line {lineno} (custom_id {cid!r}): {e}"
         line.prompt = None
     return line
+
+
+def _parse_request(obj: dict[str, Any], line: BatchLine) -> None:
+    if obj.get("method", "POST") != "POST":
+        raise BadLine(f"method={obj.get('method')!r} is not supported: use POST")
+    if line.url not in URLS:
+        raise BadLine(f"url={line.url!r} is not supported: use {' or '.join(URLS)}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise BadLine("body is missing or not an object")
+    chat = line.url == CHAT_URL
+    if "messages" in body and "prompt" in body:
+        raise BadLine("body has both messages and prompt: give one (messages for chat, prompt for completions)")
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadLine(f"body.messages must be a non-empty list for {CHAT_URL}")
+        line.prompt = [_content(m, i) for i, m in enumerate(msgs)]
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise BadLine(f"body.prompt holds {len(p)} prompts: give one prompt per line")
+            p = p[0]
+        if not (isinstance(p, str) or (isinstance(p, list) and p and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in p))):
+            raise BadLine(f"body.prompt must be a string or a list of token ids for {COMPLETIONS_URL}")
+        line.prompt = p
+        line.echo = body.get("echo") is True
+    line.sampling = body_sampling(body, chat)
 
 
 def parse_lines(files: list[Path], limit: int | None = None) -> Iterator[BatchLine]:
@@ -178,7 +153,14 @@ class OpenAIBatchSource(Source):
     def value_names(self) -> dict[str, str]:
         return {**{k: f"body.{k}" for k in ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p")},
                 "max_tokens": "body.max_tokens / max_completion_tokens", "logprobs": "body.logprobs / top_logprobs",
-                "json_schema": "body.response_format"}
+                "prompt_logprobs": "body.logprobs (echo)", "json_schema": "body.response_format"}
+
+    def row_base(self, base: SamplingParams, model: Any) -> SamplingParams:
+        """The fields the format defines take its defaults (openai_body.py), not the config's."""
+        defaults = format_defaults(model)
+        shown = ", ".join(f"{k}={defaults[k]}" for k in ("temperature", "top_p", "top_k", "min_p"))
+        log.info("openai_batch: lines that leave them out sample with %s (the format's defaults)", shown)
+        return dataclasses.replace(base, **defaults)
 
     def read(self) -> Iterator[list[Row]]:
         # Every line is parsed, a shard's too: a custom_id is a duplicate of any earlier line's.

@@ -6,17 +6,31 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from runner.text import clean, clean_str
+
 
 @dataclass(slots=True)
 class Row:
     index: int  # position in the source, from 0
-    id: str  # the id column's value, else str(index)
+    id: str | None  # the id column's value, else str(index); None: a row with no id of its own (a batch line
+    # without a usable custom_id), told apart by its index
     prompt: Any  # str | list[dict] | list[int] | None
     max_tokens: Any = None  # the max_tokens column's raw value, or a synthetic row's draw (None: the default)
     arrival: Any = None  # the trace column's raw value
     error: str | None = None  # the row could not be read (e.g. a bad JSON line)
     klass: str | None = None  # the request class (workload.class_column; a synthetic row's group)
     sampling: dict[str, Any] | None = None  # raw per-row sampling values by key (workload.columns)
+
+
+def clean_row(row: Row) -> Row:
+    """The row with every string in it made encodable as UTF-8 (runner/text.py: the one rule for text
+    entering the job), in place."""
+    row.id = None if row.id is None else clean_str(row.id)
+    row.prompt, row.arrival, row.max_tokens = clean(row.prompt), clean(row.arrival), clean(row.max_tokens)
+    row.error = None if row.error is None else clean_str(row.error)
+    row.klass = None if row.klass is None else clean_str(row.klass)
+    row.sampling = None if row.sampling is None else clean(row.sampling)
+    return row
 
 
 # A repeated id is an error row of its own. Resume tells the repeat's row from the id's own rows by how

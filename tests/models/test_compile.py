@@ -73,17 +73,29 @@ def test_one_graph_for_every_width_and_no_compile_inside_steps(tiny_hf_model_dir
     no step compiles (the 1-token width included: the token count is unbacked, never specialised)."""
     eng = make_engine(tiny_hf_model_dir("qwen3"), True, max_num_seqs=5, size=13, ubatch=9)
     before = graphs_compiled()
+    # Positive control: count the forwards that go through the compiled function (the graph check below
+    # would pass as well if the engine never took the compiled path).
+    compiled, calls = eng.model._compiled, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return compiled(*args, **kwargs)
+
+    eng.model._compiled = counted
     g = torch.Generator().manual_seed(0)
     lengths = [1, 1, 2, 3] + torch.randint(1, 60, (26,), generator=g).tolist()
     for i, n in enumerate(lengths):
         eng.add_request(random_prompt(n, seed=i), SamplingParams(max_tokens=int(5 + 13 * (i % 5)),
                                                                  temperature=0.0, ignore_eos=True))
-    widths, steps = set(), 0
+    widths, steps, forwards = set(), 0, 0
     while eng.has_unfinished_requests():
         eng.step()
         steps += 1
         widths.add(eng.last_step.decode_tokens + eng.last_step.prefill_tokens)
+        forwards += eng.last_step.num_forwards
     assert steps >= 200 and len(widths) >= 5, (steps, widths)
+    assert len(calls) == forwards >= steps, "every forward ran through the compiled function"
+    assert before >= 1, "no graph was ever compiled: the counter below would not see one either"
     # No step compiled anything: the one graph was ready before the first step (the warm-up built it,
     # or an earlier engine of this architecture in this process did: instances share it).
     assert graphs_compiled() == before, "a step compiled a graph: the warm-up should have made the only one"

@@ -165,3 +165,18 @@ def check_run(out: Path, expected_ids: list[str] | None = None, errors: int = 0,
         assert summary["latency_s"]["ttft"]["count"] == len(ok)
         assert np.isclose(summary["latency_s"]["ttft"]["max"], max(r["ttft_s"] for r in ok))
     return {"rows": rows, "ok": ok, "steps": srows, "summary": summary}
+
+
+class ModelLoaded(BaseException):
+    """Raised by the model loader under `no_model_load` (a BaseException: no `except Exception` hides it)."""
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: proves a config error comes before the model loads."""
+    import models
+
+    def load(*args, **kwargs):
+        raise ModelLoaded("the model loader ran before the config error")
+
+    monkeypatch.setattr(models, "load_model", load)

@@ -17,8 +17,12 @@ from tests.runner.conftest import check_run
 FAST = ["sampling.max_tokens=3", "output.progress=false", "max_num_seqs=4", "cache.max_model_len=512"]
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def ladle(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    # PYTHONPATH: this checkout's packages, whatever checkout an editable install points at
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -29,6 +33,11 @@ def test_default_config(tmp_path):
     p = ladle(f"hydra.run.dir={out}", "workload.limit=4", *FAST, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ladle summary" in p.stdout and "TTFT" in p.stdout and f"outputs in {out}" in p.stdout
+    # ladle's warnings are one clean line each, without Python's source line under them (issue 20.12)
+    warned = [line for line in p.stderr.splitlines() if "RANDOM" in line]
+    assert warned == [("ladle: warning: model weights are RANDOM (Qwen3ForCausalLM, 0.85M parameters, seed 0): "
+                       "model.path is null. Outputs are meaningless; timings are real.")], p.stderr[-2000:]
+    assert "load_model(" not in p.stderr and "RandomWeightsWarning" not in p.stderr
     run = check_run(out)
     assert len(run["rows"]) == 4 and all(r["id"].startswith("sample-") for r in run["rows"])
     assert all(r["prompt"] for r in run["rows"])
@@ -64,7 +73,7 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     import time
 
     out = tmp_path / "run"
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "runner", f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -120,7 +129,7 @@ def test_every_config_error_exits_2_with_one_message(tmp_path):
 
 def test_a_preset_whose_weights_are_not_cached_says_how_to_choose(tmp_path):
     env_cache = tmp_path / "empty-hf-cache"
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", HF_HUB_CACHE=str(env_cache))
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", HF_HUB_CACHE=str(env_cache), PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "runner", "model=qwen3_0_6b", f"hydra.run.dir={tmp_path / 'r'}",
                         *FAST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2
@@ -128,3 +137,23 @@ def test_a_preset_whose_weights_are_not_cached_says_how_to_choose(tmp_path):
     assert len(err) == 1 and "Qwen/Qwen3-0.6B" in err[0] and "model.random_weights=true" in err[0]
     assert str(env_cache) in err[0]
     assert not (tmp_path / "r" / "generations.parquet").exists()
+
+
+def test_only_ladles_own_warnings_lose_their_source_line(monkeypatch):
+    import io
+    import warnings
+
+    from models.loader import RandomWeightsWarning
+    from runner.cli_warnings import ROOT, install
+
+    passed_on = []  # what reaches the showwarning in place before (Python's own, outside pytest)
+    monkeypatch.setattr(warnings, "showwarning", lambda *args: passed_on.append(args))
+    install()
+    install()  # idempotent
+    buf = io.StringIO()
+    warnings.showwarning(RandomWeightsWarning("weights"), RandomWeightsWarning, "/elsewhere/x.py", 3, buf)
+    warnings.showwarning(UserWarning("ours"), UserWarning, str(ROOT / "engine" / "kv_cache.py"), 9, buf)
+    theirs = (UserWarning("theirs"), UserWarning, "/site-packages/torch/nn/x.py", 7, buf, "x = 1")
+    warnings.showwarning(*theirs)
+    assert buf.getvalue().splitlines() == ["ladle: warning: weights", "ladle: warning: ours"]
+    assert passed_on == [theirs]

@@ -89,7 +89,7 @@ def test_invalid_values_name_the_key(overrides, words):
         check(to_job_config(compose_cfg(*overrides)))
 
 
-def test_missing_source_and_column_fail_before_the_model(tmp_path):
+def test_missing_source_and_column_fail_before_the_model(tmp_path, no_model_load):
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -136,8 +136,9 @@ def test_bad_lines_give_error_lines_and_never_stop_the_batch(tmp_path):
     assert len({o["id"] for o in out}) == len(out)
     gen = pq.read_table(tmp_path / "out" / "generations.parquet").to_pylist()
     assert len(gen) == len(lines) and sum(r["finish_reason"] == "error" for r in gen) == len(BAD_LINES)
-    # A line that cannot run under its custom_id (duplicate, missing) is its own row, "<line N>".
-    assert {r["id"] for r in gen} >= {"c0", "<line 2>", "<line 4>", "<line 5>", "ünï→😀"}
+    # A line that cannot run under its custom_id (duplicate, missing) is its own row: no id (null: no
+    # custom_id can collide with it) or, for a duplicate, the repeated id at its own row index.
+    assert {(r["id"], r["index"]) for r in gen} >= {("c0", 0), (None, 1), (None, 3), ("c0", 4), ("ünï→😀", 18)}
     assert res.summary["errors"] == len(BAD_LINES)
 
 

@@ -163,11 +163,12 @@ def test_a_sample_that_failed_after_the_fork_does_not_make_its_siblings_done_on_
     ("sampling.structured.regex='('", "regex is not valid: Regex parsing error"),
     ("sampling.structured.grammar='root ::= '", "grammar is not valid: EBNF parser error"),
 ])
-def test_a_config_wide_structured_spec_that_cannot_compile_fails_before_the_model_loads(tmp_path, override, fragment):
+def test_a_config_wide_structured_spec_that_cannot_compile_fails_before_the_model_loads(tmp_path, no_model_load,
+                                                                                      override, fragment):
     """It failed every row, after the model (and the arrival calibration) had loaded, and the job exited 0."""
     pytest.importorskip("xgrammar")
     with pytest.raises(ConfigError) as e:
-        run_job(compose_cfg(override), tmp_path / "out", engine=FakeEngine())
+        run_job(compose_cfg(override), tmp_path / "out")  # no engine given: a model load would fail the test
     assert "sampling.structured: " in str(e.value) and fragment in str(e.value), str(e.value)
     assert not (tmp_path / "out" / "generations.parquet").exists()
 
@@ -194,7 +195,8 @@ def test_a_structured_value_the_engine_refuses_names_its_column(tmp_path):
     ("stops", pa.array([[1], [2]], pa.list_(pa.int64())), "stop"),
     ("choice", pa.array([[1.0], None], pa.large_list(pa.float64())), "choice"),
 ])
-def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_model_loads(tmp_path, col, values, key):
+def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_model_loads(tmp_path, no_model_load,
+                                                                                        col, values, key):
     """Every row was an error row, found only after the model had loaded."""
     src = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
@@ -204,21 +206,31 @@ def test_a_sampling_column_of_an_unusable_type_is_a_config_error_before_the_mode
     assert f"workload column {col!r} (sampling {key})" in str(e.value) and "has type" in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("col,values,key", [
-    ("temp", pa.array([1, None], pa.int64()), "temperature"),
-    ("temp", pa.array(["0.5", None]), "temperature"),
-    ("stops", pa.array([["a"], None]), "stop"),
-    ("schema", pa.array([{"type": "object"}, None]), "json_schema"),
-    ("choice", pa.array([["y", "n"], None]), "choice"),
+@pytest.mark.parametrize("col,values,key,parsed", [
+    ("temp", pa.array([1, None], pa.int64()), "temperature", 1.0),
+    ("temp", pa.array(["0.5", None]), "temperature", 0.5),
+    ("stops", pa.array([["a"], None]), "stop", ["a"]),
+    ("schema", pa.array([{"type": "object"}, None]), "json_schema", {"type": "object"}),
+    ("choice", pa.array([["y", "n"], None]), "choice", ["y", "n"]),
     # refused before, yet every row parses: fixed-size lists of strings, `true` (the any-schema)
-    ("stops", pa.array([["a", "b"], None], pa.list_(pa.string(), 2)), "stop"),
-    ("choice", pa.array([["y", "n"], None], pa.list_(pa.large_string(), 2)), "choice"),
-    ("stops", pa.array([[], None], pa.list_(pa.null())), "stop"),
-    ("schema", pa.array([True, None]), "json_schema"),
+    ("stops", pa.array([["a", "b"], None], pa.list_(pa.string(), 2)), "stop", ["a", "b"]),
+    ("choice", pa.array([["y", "n"], None], pa.list_(pa.large_string(), 2)), "choice", ["y", "n"]),
+    ("stops", pa.array([[], None], pa.list_(pa.null())), "stop", []),
+    ("schema", pa.array([True, None]), "json_schema", {}),
 ])
-def test_usable_column_types_are_accepted(tmp_path, col, values, key):
+def test_usable_column_types_are_accepted(tmp_path, col, values, key, parsed):
+    """Every row of each accepted layout parses: row 0 to its value, row 1 (null) to the default. The test
+    counted rows before, and error rows count too."""
     src = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], col: values}), src)
     cfg = compose_cfg("workload=parquet", f"workload.path={src}", f"+workload.columns={{{key}: {col}}}")
-    run_job(cfg, tmp_path / "out", engine=FakeEngine())
-    assert len(rows_of(tmp_path / "out")) == 2
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    rows = rows_of(tmp_path / "out")
+    assert len(rows) == 2 and [r["error"] for r in rows] == [None, None], rows
+    got = [eng.params_seen[rid] for rid in ("0", "1")]
+    if key in ("json_schema", "choice"):
+        assert getattr(got[0].structured, key) == parsed and got[1].structured is None
+    else:
+        default = {"temperature": 0.0, "stop": []}[key]  # conf/config.yaml's sampling defaults
+        assert getattr(got[0], key) == parsed and getattr(got[1], key) == default
