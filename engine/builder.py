@@ -64,15 +64,16 @@ class EngineParts:
 
 def build(config: EngineConfig) -> EngineParts:
     from models import load_model  # engine -> models
+    from models.linear import packed_bytes_estimate
 
     mc = config.model
     planned = plan(config)
     model = load_model(mc.path, mc.architecture, dtype=planned.dtype, device=planned.device, seed=mc.seed,
                        random_weights=mc.random_weights,
                        pack_linear=planned.memory_plan.packed_weight_bytes > 0 or planned.device.type != "cpu")
-    if model.packed_weight_bytes() == 0 and planned.device.type == "cpu" and planned.dtype == torch.float32:
+    if model.packed_weight_bytes() == 0 and packed_bytes_estimate(planned.arch, planned.dtype, planned.device):
         log.warning("linear layers run unpacked (~2x slower GEMMs): their packed copies do not fit in "
-                    "memory beside the weights and the KV cache")
+                    "memory beside the weights without shrinking the KV cache")
     warmup_s = 0.0
     if planned.device.type == "cuda":
         warmup_s = profile(config, model, planned)

@@ -238,15 +238,17 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
             max_num_seqs=config.max_num_seqs, kv_tokens_wanted=wanted, kv_size_given=given,
             measured_activation_bytes=measured_activation_bytes, packed_weight_bytes=packed)
 
+    plan = plan_with(0)
     packed = _packed_bytes(arch, spec, device)
-    try:
-        plan = plan_with(packed)
-    except InsufficientMemory:
-        if not packed:
-            raise
-        # The packed copies double the weights' memory: without them the GEMMs are ~2x slower, but
-        # the model still runs where it fits (the plan says so; the builder loads it unpacked).
-        plan = plan_with(0)
+    if packed:
+        # The packed copies double fp32 weights' memory. They are kept only where they cost the KV
+        # cache nothing: a smaller cache (fewer sequences at once) costs more than ~2x slower GEMMs.
+        try:
+            with_packed = plan_with(packed)
+        except InsufficientMemory:
+            with_packed = None
+        if with_packed is not None and with_packed.kv_tokens >= plan.kv_tokens:
+            plan = with_packed
     return plan, max(1, plan.kv_tokens // block_tokens)
 
 

@@ -256,7 +256,7 @@ class StructuredOutputManager:
         masks = bitmask[index]
         exhausted = ~masks.any(dim=1)  # nothing allowed: the grammar is complete and has no stop token
         codes = torch.tensor([(g.kind == "json_schema") + 2 * g.after_ed for g in states])
-        stops = _stop_bits(masks, states)  # a request's stop tokens are never filtered by the table
+        stops = _stop_bits(masks, states, self.eos_ids)  # a request's stop tokens pass the table
         masks &= self._masks.table[codes]
         masks |= stops
         stuck = ~masks.any(dim=1) & ~exhausted
@@ -335,11 +335,12 @@ class StructuredOutputManager:
         return g.matcher.is_terminated()
 
 
-def _stop_bits(masks: torch.Tensor, states: list[GrammarState]) -> torch.Tensor:
-    """The bits of each row's stop tokens that its grammar allows now (packed like masks)."""
+def _stop_bits(masks: torch.Tensor, states: list[GrammarState], eos_ids: list[int]) -> torch.Tensor:
+    """The bits of each row's own stop tokens that its grammar allows now (packed like masks). EOS
+    ids need none: the vocabulary table allows them already; most rows cost nothing."""
     stops = torch.zeros_like(masks)
     for j, g in enumerate(states):
-        for t in g.stop_ids:
+        for t in set(g.stop_ids).difference(eos_ids):
             if t >> 5 < masks.shape[1]:
                 stops[j, t >> 5] |= masks[j, t >> 5] & _bit(t & 31)
     return stops
