@@ -241,9 +241,13 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
     packed = _packed_bytes(arch, spec, device)
     try:
         plan = plan_with(packed)
-    except InsufficientMemory:
+    except InsufficientMemory as e:
         if not packed:
             raise
+        if getattr(config, "deterministic", False):  # the batch-invariant GEMMs are the packed ones
+            raise InsufficientMemory(
+                f"deterministic=true needs the linear layers' packed copies ({packed / GIB:.2f} GiB) beside "
+                f"the weights: {e}") from e
         # The packed copies double the weights' memory: without them the GEMMs are ~2x slower, but
         # the model still runs where it fits (the plan says so; the builder loads it unpacked).
         plan = plan_with(0)
