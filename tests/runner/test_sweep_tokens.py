@@ -73,3 +73,22 @@ def test_runs_without_generations_are_left_out(tmp_path):
     rows, md = report(tmp_path)
     assert [r["same_tokens"] for r in rows] == [None, True, True]
     assert "identical in all 2 runs" in md
+
+
+def test_a_deterministic_multirun_reports_identical_tokens(tmp_path):
+    """A real sweep: chunk sizes 8 and 32, sampled at temperature 1 with seeds, deterministic=true."""
+    from tests.runner.test_cli import FAST, ladle
+
+    sweep = tmp_path / "sweep"
+    p = ladle("--multirun", "chunking.size=8,32", "deterministic=true", "sampling.temperature=1",
+              "sampling.seed=7", "sampling.logprobs=0", "sampling.ignore_eos=true", f"hydra.sweep.dir={sweep}",
+              "workload.limit=4", "output.plots=false", *FAST, "sampling.max_tokens=6", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = pq.read_table(sweep / "sweep.parquet").to_pylist()
+    assert [r["varied"] for r in rows] == ["chunking.size=8", "chunking.size=32"]
+    assert [r["same_tokens"] for r in rows] == [True, True]
+    assert "Tokens: identical in all 2 runs for every request" in (sweep / "sweep.md").read_text()
+    gens = [pq.read_table(sweep / str(i) / "generations.parquet").to_pylist() for i in (0, 1)]
+    assert [len(g) for g in gens] == [4, 4] and all(len(r["output_token_ids"]) == 6 for r in gens[0])
+    by_id = [{r["id"]: r["logprobs"] for r in g} for g in gens]
+    assert by_id[0] == by_id[1]  # the logprobs too, as floats read back from parquet (bitwise)
