@@ -10,6 +10,7 @@ size, and with model.compile the forward is compiled in a warm-up, so no timed s
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
 from engine.update import Updater
 from kernels import get_backend
+from kernels.cpu_build import build_error, load_library
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ def build(config: EngineConfig) -> EngineParts:
     model = load_model(mc.path, mc.architecture, dtype=planned.dtype, device=planned.device, seed=mc.seed,
                        random_weights=mc.random_weights,
                        pack_linear=planned.memory_plan.packed_weight_bytes > 0 or planned.device.type != "cpu")
-    if model.packed_weight_bytes() == 0 and packed_bytes_estimate(planned.arch, planned.dtype, planned.device):
+    if config.deterministic:
+        enable_deterministic(model)
+    elif model.packed_weight_bytes() == 0 and packed_bytes_estimate(planned.arch, planned.dtype, planned.device):
         log.warning("linear layers run unpacked (~2x slower GEMMs): their packed copies do not fit in "
                     "memory beside the weights without shrinking the KV cache")
     warmup_s = 0.0
@@ -100,6 +104,8 @@ def plan(config: EngineConfig) -> Planned:
                 f"({arch.max_position_embeddings}); lower cache.max_model_len"
             )
         dtype = resolve_dtype(mc.dtype, device, arch)  # the one rule for dtype "auto"
+        if config.deterministic:
+            check_resolved_deterministic(config, device, dtype, arch)
         spec = KVCacheSpec.build(config.cache, arch, dtype)
         memory_plan, num_blocks = plan_kv_cache(config, arch, spec, device)
         tokenizer = load_tokenizer(mc.path, vocab_size=arch.vocab_size, tokenizer=mc.tokenizer)
@@ -108,6 +114,46 @@ def plan(config: EngineConfig) -> Planned:
     except (ValueError, FileNotFoundError) as e:
         raise EngineConfigError(str(e)) from e
     return Planned(arch, device, dtype, spec, memory_plan, num_blocks, tokenizer)
+
+
+def attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """The backend name the model runner passes to every forward. Deterministic mode pins the resolved
+    cpu_paged kernel, so neither set_backend() nor LADLE_ATTENTION_BACKEND can swap it afterwards."""
+    return get_backend(device, config.model.attention_backend) if config.deterministic else config.model.attention_backend
+
+
+def check_resolved_deterministic(config: EngineConfig, device: torch.device, dtype: torch.dtype, arch) -> None:
+    """Deterministic mode's conditions on what "auto" resolved to (EngineConfigError naming the fix)."""
+    if device.type != "cpu":
+        raise EngineConfigError(
+            f"deterministic=true runs on CPU only, but model.device={config.model.device!r} resolved to "
+            f"{device} (batch invariance on CUDA is not implemented or tested): set model.device=cpu")
+    if dtype != torch.float32:
+        raise EngineConfigError(
+            f"deterministic=true needs float32, but model.dtype={config.model.dtype!r} resolved to {dtype}: "
+            "set model.dtype=float32")
+    backend = get_backend(device, config.model.attention_backend)
+    if backend != "cpu_paged" or load_library() is None:
+        raise EngineConfigError(
+            f"deterministic=true needs the cpu_paged attention kernel, but attention resolves to {backend!r}"
+            f" (kernel build error: {build_error()}; LADLE_ATTENTION_BACKEND="
+            f"{os.environ.get('LADLE_ATTENTION_BACKEND')!r}): install a C++ compiler so kernels/cpu_build.py "
+            "can build it, unset LADLE_ATTENTION_BACKEND, or set deterministic=false")
+    if arch.head_dim > 1024 or arch.num_heads % arch.num_kv_heads:
+        raise EngineConfigError(
+            f"deterministic=true: the cpu_paged kernel does not take this model's heads (head_dim "
+            f"{arch.head_dim}, {arch.num_heads} query / {arch.num_kv_heads} KV heads); set deterministic=false")
+
+
+def enable_deterministic(model: torch.nn.Module) -> None:
+    """Switch the model's ops to their batch-invariant forms; the model's refusal becomes a config error."""
+    try:
+        model.set_deterministic(True)
+    except (ValueError, RuntimeError) as e:
+        raise EngineConfigError(
+            f"deterministic=true cannot hold on this machine: {e}. Fixes: model.device=cpu and "
+            "model.dtype=float32, a torch build with oneDNN (torch.backends.mkldnn), enough memory for "
+            "the packed linear weights, or deterministic=false") from e
 
 
 def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> float:
@@ -141,7 +187,7 @@ def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, war
     # Logprobs report top-k alternatives among the ids the tokenizer knows (a padded LM head is wider).
     logprob_vocab = min(arch.vocab_size, getattr(tokenizer, "vocab_size", None) or arch.vocab_size)
     runner = ModelRunner(model, kv, device, config.chunking.ubatch,
-                         attention_backend=config.model.attention_backend, logprob_vocab=logprob_vocab)
+                         attention_backend=attention_backend(config, device), logprob_vocab=logprob_vocab)
     # Rows the sampler takes at once: what the memory plan budgets (memory.sampler_bytes).
     rows = max(1, min(config.chunking.step_budget(config.max_num_seqs, max_len), config.max_num_seqs))
     sampler = Sampler(config.seed, device, max_rows=rows, logprob_vocab=logprob_vocab)

@@ -31,7 +31,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (the checkpoint's bf16/fp16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
     seed: int = 0  # random-weight initialisation
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu_paged on CPU) | triton | cpu_paged | torch
     compile: bool = False  # run the forward through torch.compile (compiled once in a warm-up at start)
 
     def validate(self) -> None:
@@ -41,8 +41,8 @@ class ModelConfig:
                "one of auto, float32, bfloat16, float16")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                "model.device", self.device, "auto, cpu, cuda or cuda:N")
-        _check(self.attention_backend in ("auto", "triton", "torch"), "model.attention_backend",
-               self.attention_backend, "one of auto, triton, torch")
+        _check(self.attention_backend in ("auto", "triton", "cpu_paged", "torch"), "model.attention_backend",
+               self.attention_backend, "one of auto, triton, cpu_paged, torch")
         _check(isinstance(self.compile, bool), "model.compile", self.compile, "true or false")
 
 
@@ -117,10 +117,16 @@ class EngineConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     max_num_seqs: int = 64  # most requests running at once
     seed: int = 0  # sampling seed for requests without their own
+    # Batch-invariant mode (issue 22): a request's logits are bitwise the same whatever the schedule
+    # (chunk size, budget, ubatch, batch, prefix hits, preemption, fork, cache backend). CPU float32 only.
+    deterministic: bool = False
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "true or false")
         self.model.validate()
+        if self.deterministic:
+            check_deterministic(self.model)
         self.cache.validate()
         self.chunking.validate(self.max_num_seqs)
         ch, max_len = self.chunking, self.cache.max_model_len
@@ -134,3 +140,20 @@ class EngineConfig:
                "chunking.decode_headroom", ch.decode_headroom,
                f"with chunking.enabled=false a whole prompt must fit the headroom: use >= cache.max_model_len "
                f"({max_len}), null, or enable chunking (chunking.enabled=true)")
+
+
+def check_deterministic(mc: ModelConfig) -> None:
+    """The settings deterministic mode can hold its guarantee under (checked on the config alone;
+    the builder checks the resolved device, dtype and attention backend again after resolving them)."""
+    _check(not mc.device.startswith("cuda"), "model.device", mc.device,
+           "deterministic=true runs on CPU only (batch-invariant GEMMs and attention are not implemented "
+           "or tested on CUDA): set model.device=cpu, or deterministic=false")
+    _check(mc.dtype in ("auto", "float32"), "model.dtype", mc.dtype,
+           "deterministic=true needs float32 (the batch-invariant oneDNN linear path is float32 only): "
+           "set model.dtype=float32, or deterministic=false")
+    _check(mc.attention_backend in ("auto", "cpu_paged"), "model.attention_backend", mc.attention_backend,
+           "deterministic=true needs the cpu_paged attention kernel (the torch reference and Triton are not "
+           "batch-invariant): set model.attention_backend=cpu_paged (or auto), or deterministic=false")
+    _check(not mc.compile, "model.compile", mc.compile,
+           "deterministic=true runs eager (compiled numerics differ from eager and are not covered by the "
+           "engine's invariance tests): set model.compile=false, or deterministic=false")

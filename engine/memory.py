@@ -238,8 +238,15 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
             max_num_seqs=config.max_num_seqs, kv_tokens_wanted=wanted, kv_size_given=given,
             measured_activation_bytes=measured_activation_bytes, packed_weight_bytes=packed)
 
-    plan = plan_with(0)
     packed = _packed_bytes(arch, spec, device)
+    if packed and getattr(config, "deterministic", False):  # the batch-invariant GEMMs are the packed ones
+        try:
+            return _blocks(plan_with(packed), block_tokens)
+        except InsufficientMemory as e:
+            raise InsufficientMemory(
+                f"deterministic=true needs the linear layers' packed copies ({packed / GIB:.2f} GiB) beside "
+                f"the weights: {e}") from e
+    plan = plan_with(0)
     if packed:
         # The packed copies double fp32 weights' memory. They are kept only where they cost the KV
         # cache nothing: a smaller cache (fewer sequences at once) costs more than ~2x slower GEMMs.
@@ -249,6 +256,10 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
             with_packed = None
         if with_packed is not None and with_packed.kv_tokens >= plan.kv_tokens:
             plan = with_packed
+    return _blocks(plan, block_tokens)
+
+
+def _blocks(plan: MemoryPlan, block_tokens: int) -> tuple[MemoryPlan, int]:
     return plan, max(1, plan.kv_tokens // block_tokens)
 
 

@@ -48,6 +48,18 @@ def onednn_available() -> bool:
 _ONEDNN = onednn_available()
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a call runs at. oneDNN builds (and caches, with its scratch memory) one primitive
+    per (weight shape, row count): unbucketed, an engine's ~budget distinct widths grew host memory by
+    ~1 MB per primitive without bound (1.8 GB for 512 widths of 4 small shapes). Buckets keep it to
+    ~80 per shape: powers of two up to 16 (one row goes to two, see MIN_ROWS), then multiples of 16 up
+    to 1024, then of 128; at most 15 (127 past 1024) wasted rows."""
+    if rows <= 16:
+        return max(MIN_ROWS, 1 << max(0, rows - 1).bit_length())
+    step = 16 if rows <= 1024 else 128
+    return -(-rows // step) * step
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -58,8 +70,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
-    if 0 < rows < MIN_ROWS:
-        x2 = x2.expand(MIN_ROWS, -1) if rows == 1 else torch.cat((x2, x2[-1:].expand(MIN_ROWS - rows, -1)))
+    padded = row_bucket(rows)
+    if rows and padded != rows:  # zero rows: a row's result does not depend on the others (M >= 2)
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     if out.shape[0] != rows:
         out = out[:rows]

@@ -160,6 +160,7 @@ class JobConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_pending: int | None = None  # most requests read but unfinished (null = 4 x max_num_seqs)
     seed: int = 0  # engine sampling seed (requests without their own)
+    deterministic: bool = False  # batch-invariant engine: tokens/logprobs independent of the schedule (CPU fp32)
     clock: str = "virtual"  # virtual (replay: idle gaps are skipped, latencies are compute time) | wall
     threads: int | None = None  # torch CPU threads; null = the free cores (runner/threads.py)
 
@@ -215,7 +216,7 @@ def _unknown_keys(node: Any, prefix: str = "") -> list[str]:
 
 def engine_config(job: JobConfig) -> EngineConfig:
     return EngineConfig(model=job.model, cache=job.cache, chunking=job.chunking,
-                        max_num_seqs=job.max_num_seqs, seed=job.seed)
+                        max_num_seqs=job.max_num_seqs, seed=job.seed, deterministic=job.deterministic)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner.sweep_tokens import TokenDiff, compare_runs, tokens_line
+
 log = logging.getLogger("ladle")
 
 COLUMNS = [  # (column, summary path, markdown header, scale for the table)
@@ -72,7 +74,19 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for r in rows:
         r["varied"] = " ".join(o for o in r["overrides"] if o not in common)
         r["overrides"] = " ".join(r["overrides"])
+    add_token_agreement(sweep_dir, rows)
     return rows
+
+
+def add_token_agreement(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Per run: same_tokens (its tokens equal the first run's for every request; null without
+    generations) and first_token_diff (where they first differ)."""
+    result = compare_runs(sweep_dir, [r["run"] for r in rows])
+    reference = next((run for run, v in result.items() if v != "no generations"), "")
+    for r in rows:
+        v = result[r["run"]]
+        r["same_tokens"] = None if v == "no generations" else v is None
+        r["first_token_diff"] = v.describe(reference) if isinstance(v, TokenDiff) else None
 
 
 def _read_overrides(path: Path) -> list[str]:
@@ -102,7 +116,7 @@ def answers(rows: list[dict[str, Any]]) -> list[str]:
         have = [r for r in rows if r.get(col) is not None]
         return (min if low else max)(have, key=lambda r: r[col]) if have else None
 
-    out = []
+    out = [line] if (line := tokens_line(rows)) else []
     for col, what, unit, low in (("itl_p99_ms", "P99 ITL", "ms", True), ("ttft_p50_ms", "TTFT p50", "ms", True),
                                  ("busy_tok_per_s", "throughput", "tok/s busy", False)):
         r = best(col, low)
@@ -188,6 +202,7 @@ def write_sweep_report(sweep_dir: str | Path) -> dict[str, Path]:
     for name, *_ in COLUMNS:
         kind = pa.int64() if name in ("requests", "errors", "preemptions", "steps") else pa.float64()
         fields.append(pa.field(name, kind))
+    fields += [pa.field("same_tokens", pa.bool_()), pa.field("first_token_diff", pa.string())]
     pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema(fields)), out["parquet"])
     write_markdown(rows, out["markdown"])
     try:
