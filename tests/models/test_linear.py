@@ -209,3 +209,15 @@ def test_the_loader_packs_every_projection_and_the_lm_head(family, cls):
     assert model.packed_weight_bytes() == packed_bytes_estimate(model.arch, torch.float32, "cpu")
     assert packed_bytes_estimate(model.arch, torch.bfloat16, "cpu") == 0
     assert load_model(None, arch, torch.bfloat16, "cpu").packed_weight_bytes() == 0
+
+
+def test_row_counts_are_bucketed_so_onednn_primitives_stay_bounded():
+    """oneDNN caches a primitive (with its scratch memory) per (shape, row count): unbucketed, 512
+    distinct widths of 4 small shapes grew host memory by 1.8 GB. A call runs at a bucketed width."""
+    from models.linear import row_bucket
+
+    buckets = {row_bucket(m) for m in range(1, 4097)}
+    assert len(buckets) <= 100
+    for m in range(1, 4097):
+        b = row_bucket(m)
+        assert b >= max(m, 2) and b - m <= (15 if m <= 1024 else 127)
