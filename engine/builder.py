@@ -196,6 +196,7 @@ def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, war
     requests: dict[str, Request] = {}
     return EngineParts(
         planned, model, warmup_s, compile_s, kv, scheduler, runner, sampler, structured,
-        InputProcessor(tokenizer, arch.vocab_size, max_len, kv, structured), output,
+        InputProcessor(tokenizer, arch.vocab_size, max_len, kv, structured,
+                       seed_unseeded=config.seed if config.deterministic else None), output,
         Updater(scheduler, kv, output, structured, runner.release, requests), requests,
     )

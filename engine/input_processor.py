@@ -6,6 +6,8 @@ saying what to fix, and the engine reports it from its next step.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from collections.abc import Sequence
 
@@ -17,12 +19,15 @@ from engine.structured_output import StructuredOutputManager
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv: KVCacheManager,
-                 structured: StructuredOutputManager) -> None:
+                 structured: StructuredOutputManager, seed_unseeded: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv = kv
         self.structured = structured
+        # Deterministic mode: a request without a seed gets one derived from the engine's seed and its
+        # id, so its draws are its own (the engine's shared generator is consumed in batch order).
+        self.seed_unseeded = seed_unseeded
         self._ids = itertools.count()
         self._order = itertools.count()
 
@@ -38,6 +43,8 @@ class InputProcessor:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this request's error
             ids, error = [], f"could not tokenize the prompt: {exc}"
+        if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
+            params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))
         try:
             error = error or self.validate(req)
@@ -78,3 +85,9 @@ class InputProcessor:
                 f"{self.kv.num_blocks}; raise cache.num_blocks or cache.memory_gb"
             )
         return None
+
+
+def derived_seed(engine_seed: int, request_id: str) -> int:
+    """A request's own seed from the engine's and its id (sha256: stable across processes and runs)."""
+    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

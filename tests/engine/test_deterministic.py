@@ -5,6 +5,7 @@ and the combinations that cannot hold it are refused before a model loads."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -186,3 +187,32 @@ def test_runner_passes_the_switch():
 
     assert engine_config(to_job_config(compose_cfg("deterministic=true"))).deterministic is True
     assert engine_config(to_job_config(compose_cfg())).deterministic is False
+
+
+def test_unseeded_requests_draw_their_own_stream_in_deterministic_mode():
+    """Without a seed a request drew from the engine's shared generator, consumed in batch order: the
+    headline sweep (`deterministic=true sampling.temperature=1`, no seed) changed tokens at position 0.
+    Each unseeded request now draws from a seed derived from the engine's and its id."""
+    import yaml as _yaml
+
+    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from tests.engine.helpers import random_prompt as _prompt
+
+    tiny = _yaml.safe_load((Path(__file__).parents[2] / "conf" / "model" / "tiny.yaml").read_text())
+    prompts = [_prompt(5 + 7 * i, seed=i, vocab=256) for i in range(6)]
+
+    def tokens(size: int, order: list[int]) -> dict[str, list[int]]:
+        eng = LLMEngine(EngineConfig(model=ModelConfig(**tiny, device="cpu", dtype="float32"),
+                                     cache=CacheConfig(max_model_len=128), chunking=ChunkingConfig(size=size),
+                                     deterministic=True))
+        for i in order:
+            eng.add_request(prompts[i], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+                            request_id=f"r{i}")
+        out = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = list(o.output_token_ids)
+        return out
+
+    assert tokens(4, [0, 1, 2, 3, 4, 5]) == tokens(64, [5, 3, 1, 0, 2, 4])
