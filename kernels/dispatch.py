@@ -30,7 +30,7 @@ def set_backend(name: str) -> None:
     _forced = None if name == "auto" else name
 
 
-def get_backend(device: torch.device, requested: str = "auto") -> str:
+def get_backend(device: torch.device, requested: str = "auto", dtype: torch.dtype = torch.float32) -> str:
     if requested not in _BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {_BACKENDS}")
     name = requested if requested != "auto" else _forced or os.environ.get("LADLE_ATTENTION_BACKEND", "auto")
@@ -39,6 +39,10 @@ def get_backend(device: torch.device, requested: str = "auto") -> str:
     if name == "auto":
         if device.type == "cuda":
             return "triton"
+        # bf16/fp16 on CPU keep the torch reference: with torch 2.15 the compiled bf16 forward through
+        # cpu_paged was not bit-identical to eager (tests/models/test_compile.py); fp32 is the CPU path.
+        if dtype not in (torch.float32, torch.float64):
+            return "torch"
         return "cpu_paged" if load_library() is not None else "torch"
     return name
 
@@ -55,7 +59,7 @@ def attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend causally (and within the window) over the cache."""
-    backend = get_backend(q.device, meta.backend)
+    backend = get_backend(q.device, meta.backend, q.dtype)
     if backend == "triton":
         from kernels.triton_attention import triton_attention
 

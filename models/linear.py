@@ -71,7 +71,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
     padded = row_bucket(rows)
-    if rows and padded != rows:  # zero rows: a row's result does not depend on the others (M >= 2)
+    if rows == 1:  # one row -> two: a view, no copy (the decode of one sequence)
+        x2 = x2.expand(MIN_ROWS, -1)
+    elif rows and padded != rows:  # zero rows: a row's result does not depend on the others (M >= 2)
         x2 = F.pad(x2, (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     if out.shape[0] != rows:
