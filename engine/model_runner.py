@@ -35,6 +35,14 @@ class _Piece:
 
 
 @dataclass(slots=True)
+class _Batch:
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata  # with `outputs` set: the rows the forward returns
+    logits_rows: list[int]  # rows of the forward's output that sample, in step order
+    prompt_rows: list[tuple[Request, int, int, int]]  # request, first output row, prompt positions [lo, hi)
+
+
+@dataclass(slots=True)
 class PromptLogprobs:
     """Logprobs of a run of prompt positions one forward computed (engine/logprobs.py)."""
 
@@ -114,44 +122,55 @@ class ModelRunner:
                  prompt_logprobs: list[PromptLogprobs]) -> tuple[torch.Tensor | None, float]:
         """One forward; its sampling rows' logits (None if none) and the seconds spent preparing it."""
         t0 = time.perf_counter()
+        batch = self._batch(pieces)
+        prepare_time = time.perf_counter() - t0
+        hidden = self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
+        vocab = self.model.arch.vocab_size
+        for req, row, lo, hi in batch.prompt_rows:
+            targets = req.prompt_token_ids[lo + 1 : hi + 1]
+            chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
+                                          req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
+            prompt_logprobs.append(PromptLogprobs(req, lo + 1, chosen, tops))
+        if not batch.logits_rows:
+            return None, prepare_time
+        rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)), prepare_time
+
+    def _batch(self, pieces: list[_Piece]) -> _Batch:
+        """The flattened batch of a forward and its metadata; the rows read after it (sampling rows,
+        prompt-logprob runs) numbered among the rows the forward returns (meta.outputs): a suffix of
+        each sequence's rows, from the first one read."""
         input_ids: list[int] = []
-        query_lens, seq_lens, logits_indices = [], [], []
-        prompt_rows: list[tuple[Request, int, int, int]] = []  # request, first batch row, positions [lo, hi)
+        query_lens, seq_lens, keep_from = [], [], []
+        logits_rows: list[int] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # request, first output row, positions [lo, hi)
+        kept = 0  # output rows so far
         for p in pieces:
             end = p.start + p.num_tokens
             req = p.item.request
+            first = p.num_tokens - 1 if p.produces_token else p.num_tokens
+            run = None
             if req.needs_prompt_logprobs:
                 # Position i predicts prompt[i + 1]; positions whose logprob exists (from before a
                 # preemption) are skipped, and the last prompt position is the sampling row.
                 lo, hi = max(p.start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
                 if lo < hi:
-                    prompt_rows.append((req, len(input_ids) + lo - p.start, lo, hi))
+                    run = (lo, hi)
+                    first = min(first, lo - p.start)
+            if run is not None:
+                prompt_rows.append((req, kept + run[0] - p.start - first, *run))
+            kept += p.num_tokens - first
+            if p.produces_token:
+                logits_rows.append(kept - 1)
             input_ids.extend(req.token_slice(p.start, end))
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
-            if p.produces_token:
-                logits_indices.append(len(input_ids) - 1)
+            keep_from.append(first)
         reqs = [p.item.request for p in pieces]
         rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
         tables = self.block_table.table.index_select(0, torch.tensor(rows))
-        meta = AttentionMetadata.build(
-            query_lens,
-            seq_lens,
-            tables,
-            self.kv.block_size,
-            device=self.device,
-            logits_indices=logits_indices,
-            backend=self.attention_backend,
-        )
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.kv.block_size, device=self.device,
+                                       backend=self.attention_backend)
+        meta.restrict_outputs(keep_from)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        prepare_time = time.perf_counter() - t0
-        hidden = self.model(ids, meta.positions, self.kv.kv_caches, meta)
-        for req, row, lo, hi in prompt_rows:
-            targets = req.prompt_token_ids[lo + 1 : hi + 1]
-            vocab = self.model.arch.vocab_size
-            chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
-                                          req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
-            prompt_logprobs.append(PromptLogprobs(req, lo + 1, chosen, tops))
-        if not logits_indices:
-            return None, prepare_time
-        return self.model.compute_logits(hidden[meta.logits_indices]), prepare_time
+        return _Batch(ids, meta, logits_rows, prompt_rows)

@@ -8,6 +8,7 @@ this forward) is `seq_lens[b] - query_len[b]`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,47 @@ class AttentionMetadata:
     # Attention implementation for this forward: auto | triton | torch (set per engine, so two
     # engines in one process never see each other's choice).
     backend: str = "auto"
+    # The rows whose hidden state the caller reads (None: all). The model's last layer computes only
+    # those (see OutputRows), and the forward returns only those, in order.
+    outputs: OutputRows | None = None
+
+    def restrict_outputs(self, keep_from: list[int]) -> OutputRows:
+        """Set `outputs` to each sequence's query rows from offset keep_from[b] on (a suffix of its rows;
+        keep_from[b] = its query length keeps none) and return it. The suffix shape is what keeps the
+        last layer's attention an ordinary causal batch: a kept row sees every key before it."""
+        qsl, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        if len(keep_from) != len(seq_lens):
+            raise ValueError(f"keep_from has {len(keep_from)} entries for {len(seq_lens)} sequences")
+        seqs, query_lens, kept_seq_lens, rows = [], [], [], []
+        for b, first in enumerate(keep_from):
+            q = qsl[b + 1] - qsl[b]
+            if not 0 <= first <= q:
+                raise ValueError(f"keep_from[{b}]={first} outside the sequence's {q} query rows")
+            if first < q:
+                seqs.append(b)
+                query_lens.append(q - first)
+                kept_seq_lens.append(seq_lens[b])
+                rows.extend(range(qsl[b] + first, qsl[b + 1]))
+        device = self.slot_mapping.device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        if len(rows) == self.num_tokens:
+            self.outputs = OutputRows(index, self, every_row=True)
+            return self.outputs
+        kept = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(kept_seq_lens, dtype=torch.int32, device=device),
+            block_tables=self.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64, device=device)),
+            slot_mapping=self.slot_mapping.index_select(0, index),
+            positions=None if self.positions is None else self.positions.index_select(0, index),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(kept_seq_lens, default=0),
+            block_size=self.block_size,
+            query_start_loc_cpu=[0, *itertools.accumulate(query_lens)],
+            seq_lens_cpu=kept_seq_lens,
+            backend=self.backend,
+        )
+        self.outputs = OutputRows(index, kept, every_row=False)
+        return self.outputs
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +139,20 @@ class AttentionMetadata:
             ),
             backend=backend,
         )
+
+
+@dataclass(slots=True)
+class OutputRows:
+    """The rows of a forward whose final hidden state is read (sampling rows, prompt-logprob rows).
+
+    Every layer but the last must run on all rows (later layers read their keys and values); the last
+    layer's keys and values are written for all rows, but its attention output, MLP and everything after
+    are needed only here: on a prefill chunk that is one row of hundreds. `meta` describes the kept rows
+    as a batch of their own (same sequences, same cache, query lengths cut to the kept suffix)."""
+
+    rows: torch.Tensor  # [R] int64, ascending: the kept rows of the full batch
+    meta: AttentionMetadata  # the kept rows' attention metadata (the full batch's when every_row)
+    every_row: bool  # nothing to drop: the last layer runs as the others
 
 
 def _table_from_lists(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:

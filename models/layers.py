@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, attention
+from kernels import AttentionMetadata, attention, write_kv_cache
+from kernels.metadata import OutputRows
 from models.attention_op import attention_op
 from models.config import ModelArch
 from models.linear import Linear
@@ -246,9 +247,12 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata | None,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
         """meta=None (the compiled forward): attention through the `ladle::attention` custom op, which
-        reads this layer's cache and the step's metadata from the forward context (models/attention_op.py)."""
+        reads this layer's cache and the step's metadata from the forward context (models/attention_op.py).
+        outputs (the last layer): keys and values of every row go to the cache, but only the rows of
+        `outputs` attend, and only theirs are returned."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -264,6 +268,11 @@ class Attention(nn.Module):
                 weight = self._qk_norm_weight()
             qk = self.q_norm.with_weight(qk, weight, getattr(self, "qk_norm_scale", None))
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        if outputs is not None and meta is not None:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # later steps read every row's keys
+            rows = outputs.rows
+            q, k, v, meta = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), outputs.meta
+            t = rows.shape[0]
         if meta is None:
             out = attention_op(
                 q, k, v, self.layer, self.scale, self.sliding_window or -1, self.softcap or 0.0

@@ -37,7 +37,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden [T, hidden];
+    """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden [T, hidden], or [R, hidden] for the
+    rows meta.outputs names when set (AttentionMetadata.restrict_outputs);
     compute_logits(hidden[S, hidden]) -> float32 logits [S, vocab]."""
 
     def __init__(self, arch: ModelArch):
@@ -132,7 +133,10 @@ class CausalLM(nn.Module):
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         # The metadata and caches reach the attention op through the context, never as graph inputs.
         with attention_context(meta, kv_caches):
-            return self._compiled(input_ids, positions)
+            hidden = self._compiled(input_ids, positions)
+        # The compiled graph runs every row through the last layer; the contract is the same.
+        outputs = meta.outputs
+        return hidden if outputs is None or outputs.every_row else hidden.index_select(0, outputs.rows)
 
     def _forward(
         self,
@@ -148,9 +152,14 @@ class CausalLM(nn.Module):
         max_len = 1 if meta is None else max(meta.max_seq_len, 1)
         ropes = {t: rope(positions, max_len, x.dtype) for t, rope in self.rope.items()}
         residual = None
+        last = len(self.model.layers) - 1
+        outputs = None if meta is None or meta.outputs is None or meta.outputs.every_row else meta.outputs
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_caches is None else kv_caches[i]
-            x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta)
+            # The last layer carries on only the rows the caller reads (meta.outputs): on a prefill
+            # chunk, its attention output, MLP and final norm for one row instead of hundreds.
+            x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta,
+                                outputs if i == last else None)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
