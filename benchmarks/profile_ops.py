@@ -50,7 +50,7 @@ def _wrap_untraced_kernels() -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, args.source)
+    sys.path.insert(0, args.source[0])
     sys.path.insert(0, str(REPO / "benchmarks"))
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -1,8 +1,8 @@
 """Llama 3.x, Qwen3 and Gemma 3 (text) in plain PyTorch, their weight loading and tokenizers.
 
 Use: `model = load_model(path, architecture, dtype, device, seed)`, then per step
-`hidden = model(input_ids, positions, kv_caches, meta)` ([T, hidden]) and
-`logits = model.compute_logits(hidden[meta.logits_indices])` (float32 [S, vocab]);
+`hidden = model(input_ids, positions, kv_caches, meta)` ([T, hidden], or the rows of meta.outputs when
+the caller restricted them) and `logits = model.compute_logits(hidden[rows])` (float32 [S, vocab]);
 `model.arch` (ModelArch) has the shapes and EOS ids; `load_tokenizer(path, vocab_size, tokenizer)`.
 """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, attention
+from kernels import AttentionMetadata, attention, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -49,19 +49,28 @@ def attention_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) ->
 
 @torch.library.custom_op("ladle::attention", mutates_args=())
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int, softcap: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int, softcap: float,
+    k_all: torch.Tensor | None = None, v_all: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels.attention on layer `layer`'s cache with the context's metadata. window <= 0 means none,
-    softcap == 0 means none (custom op schemas take no Optional scalars the compiler keeps constant)."""
+    softcap == 0 means none (custom op schemas take no Optional scalars the compiler keeps constant).
+    k_all/v_all (the last layer, where q/k/v are the rows of meta.outputs only): every row's keys and
+    values, written to the cache first; the kept rows then attend with meta.outputs.meta."""
     context = _local.current
     if context is None:
         raise RuntimeError("ladle::attention called outside attention_context(meta, kv_caches)")
+    meta = context.meta
+    if k_all is not None and v_all is not None:
+        if meta.outputs is None:
+            raise RuntimeError("ladle::attention given every row's keys without meta.outputs")
+        write_kv_cache(k_all, v_all, context.kv_caches[layer], meta.slot_mapping)
+        meta = meta.outputs.meta
     out = attention(
         q,
         k,
         v,
         context.kv_caches[layer],
-        context.meta,
+        meta,
         scale=scale,
         sliding_window=window if window > 0 else None,
         softcap=softcap if softcap != 0 else None,
@@ -71,5 +80,5 @@ def attention_op(
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, layer, scale, window, softcap):
+def _attention_fake(q, k, v, layer, scale, window, softcap, k_all=None, v_all=None):
     return q.new_empty(q.shape)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from kernels.metadata import OutputRows
 from models.config import ModelArch
 from models.layers import MLP, Attention, RMSNorm
 
@@ -33,12 +32,12 @@ class Gemma3DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        outputs: OutputRows | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's post-normed MLP output, the residual stream before it), as LlamaDecoderLayer."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta, outputs))
-        if outputs is not None:
-            residual = residual.index_select(0, outputs.rows)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta, rows))
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

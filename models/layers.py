@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, attention, write_kv_cache
-from kernels.metadata import OutputRows
 from models.attention_op import attention_op
 from models.config import ModelArch
 from models.linear import Linear
@@ -247,12 +246,12 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata | None,
-        outputs: OutputRows | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """meta=None (the compiled forward): attention through the `ladle::attention` custom op, which
         reads this layer's cache and the step's metadata from the forward context (models/attention_op.py).
-        outputs (the last layer): keys and values of every row go to the cache, but only the rows of
-        `outputs` attend, and only theirs are returned."""
+        rows (the last layer; kernels.metadata.OutputRows): keys and values of every row go to the cache,
+        but only `rows` attend, and only theirs are returned."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -268,16 +267,18 @@ class Attention(nn.Module):
                 weight = self._qk_norm_weight()
             qk = self.q_norm.with_weight(qk, weight, getattr(self, "qk_norm_scale", None))
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        if outputs is not None and meta is not None:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # later steps read every row's keys
-            rows = outputs.rows
-            q, k, v, meta = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), outputs.meta
+        k_all = v_all = None
+        if rows is not None:
+            k_all, v_all = k, v  # written to the cache for every row: later steps read them
+            q, k, v = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
             t = rows.shape[0]
         if meta is None:
-            out = attention_op(
-                q, k, v, self.layer, self.scale, self.sliding_window or -1, self.softcap or 0.0
-            )
+            window, softcap = self.sliding_window or -1, self.softcap or 0.0
+            out = attention_op(q, k, v, self.layer, self.scale, window, softcap, k_all, v_all)
         else:
+            if rows is not None:
+                write_kv_cache(k_all, v_all, kv_cache, meta.slot_mapping)
+                meta = meta.outputs.meta
             out = attention(
                 q,
                 k,

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from kernels.metadata import OutputRows
 from models.config import ModelArch
 from models.layers import MLP, Attention, RMSNorm
 
@@ -29,13 +28,13 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        outputs: OutputRows | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next layer's norm adds them.
-        outputs: only those rows go on past the attention (the last layer; see OutputRows)."""
+        rows: only those go on past the attention (the last layer; kernels.metadata.OutputRows)."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta, outputs)
-        if outputs is not None:
-            residual = residual.index_select(0, outputs.rows)
+        h = self.self_attn(h, rope, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual

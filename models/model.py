@@ -131,12 +131,12 @@ class CausalLM(nn.Module):
         # (a merely dynamic size is specialised at 1 and would compile a second graph).
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
+        # The kept rows are always a graph input (every row when nothing is dropped): one graph for both.
+        outputs = meta.outputs if meta.outputs is not None else meta.restrict_outputs([0] * meta.num_seqs)
+        torch._dynamo.decorators.mark_unbacked(outputs.rows, 0)
         # The metadata and caches reach the attention op through the context, never as graph inputs.
         with attention_context(meta, kv_caches):
-            hidden = self._compiled(input_ids, positions)
-        # The compiled graph runs every row through the last layer; the contract is the same.
-        outputs = meta.outputs
-        return hidden if outputs is None or outputs.every_row else hidden.index_select(0, outputs.rows)
+            return self._compiled(input_ids, positions, rows=outputs.rows)
 
     def _forward(
         self,
@@ -144,8 +144,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None = None,
         meta: AttentionMetadata | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The forward; meta=None is the compiled form (attention reads the forward context)."""
+        """The forward; meta=None is the compiled form (attention reads the forward context), where
+        `rows` are meta.outputs' rows; eager reads them from meta."""
         x = self.model.embed_tokens(input_ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale[x.dtype]
@@ -153,13 +155,13 @@ class CausalLM(nn.Module):
         ropes = {t: rope(positions, max_len, x.dtype) for t, rope in self.rope.items()}
         residual = None
         last = len(self.model.layers) - 1
-        outputs = None if meta is None or meta.outputs is None or meta.outputs.every_row else meta.outputs
+        if meta is not None and meta.outputs is not None and not meta.outputs.every_row:
+            rows = meta.outputs.rows
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_caches is None else kv_caches[i]
             # The last layer carries on only the rows the caller reads (meta.outputs): on a prefill
             # chunk, its attention output, MLP and final norm for one row instead of hundreds.
-            x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta,
-                                outputs if i == last else None)
+            x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta, rows if i == last else None)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from kernels import AttentionMetadata, set_backend
 from models import load_model
@@ -41,11 +42,11 @@ def forward(model, keep_from: list[int] | None, backend: str):
     for cache in caches:  # context the chunks attend to, the same for both forwards
         cache.copy_(torch.randn(cache.shape, generator=gen))
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(SEQS))]
-    meta = AttentionMetadata.build([q for q, _ in SEQS], [q + c for q, c in SEQS], tables, BLOCK, backend=backend)
-    if keep_from is not None:
-        meta.restrict_outputs(keep_from)
-    ids = torch.randint(3, model.arch.vocab_size, (meta.num_tokens,), generator=gen)
-    with torch.inference_mode():
+    ids = torch.randint(3, model.arch.vocab_size, (sum(q for q, _ in SEQS),), generator=gen)
+    with torch.inference_mode():  # as the model runner builds its metadata
+        meta = AttentionMetadata.build([q for q, _ in SEQS], [q + c for q, c in SEQS], tables, BLOCK, backend=backend)
+        if keep_from is not None:
+            meta.restrict_outputs(keep_from)
         hidden = model(ids, meta.positions, caches, meta)
     return hidden, caches, meta
 
@@ -101,3 +102,21 @@ def test_restrict_outputs_rejects_bad_offsets(keep_from):
     meta = AttentionMetadata.build([4, 1, 3], [10, 7, 3], [[5, 6, 7], [2, 3], [9]], 4)
     with pytest.raises(ValueError, match="keep_from"):
         meta.restrict_outputs(keep_from)
+
+
+def test_compiled_forward_keeps_the_same_rows():
+    """The compiled graph takes the kept rows as an input of unbacked size: the same rows and caches as
+    eager, for a batch that drops rows and for one that keeps them all, from one graph."""
+    arch = {"architectures": [FAMILIES["qwen3"]], **TINY_HF_MODELS["qwen3"][1], "initializer_range": 0.08}
+    eager = load_model(None, arch, torch.float32, "cpu", seed=3)
+    compiled = load_model(None, arch, torch.float32, "cpu", seed=3)
+    compiled.enable_compile()
+    graphs = counters["stats"]["unique_graphs"]
+    for keep_from in ([36, 19, 0, 23, 0, 0], [0, 0, 0, 0, 0, 0], None):
+        want, want_caches, _ = forward(eager, keep_from, "cpu_paged")
+        got, got_caches, meta = forward(compiled, keep_from, "cpu_paged")
+        assert meta.outputs is not None  # the compiled forward always names its rows
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(want_caches, got_caches, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
