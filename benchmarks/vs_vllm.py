@@ -92,7 +92,14 @@ def worker_main(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     fn = _worker_ladle if args.worker == "ladle" else _worker_vllm
     seconds, tokens = fn(args, prompts)
-    Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens}))
+    import torch
+
+    version = torch.__version__
+    if args.worker == "vllm":
+        import vllm
+
+        version = f"vLLM {vllm.__version__}, torch {version}"
+    Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "version": version}))
 
 
 # -- orchestration (ladle's venv) ----------------------------------------------------------------
@@ -169,9 +176,11 @@ def orchestrate(args: argparse.Namespace) -> None:
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     ladle_py = Path(sys.executable)
+    load_before = benchutil.load_average()
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
-          f"load: {benchutil.load_average()}")
+          f"load: {load_before}")
     rows = []
+    versions: dict[str, str] = {}
     for mode in args.modes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:
             times: dict[str, list[float]] = {"ladle": [], "vllm": []}
@@ -186,6 +195,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                     got[system] = res["seconds"]
                     times[system].append(res["seconds"])
                     tokens[system] = res["tokens"]
+                    versions[system] = res["version"]
                     print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s", flush=True)
                 ratios.append(got["vllm"] / got["ladle"])
             same, first = compare(tokens["ladle"], tokens["vllm"])
@@ -197,15 +207,19 @@ def orchestrate(args: argparse.Namespace) -> None:
                "(median of per-repeat ratios)", "tokens identical"]
     table = benchutil.markdown_table(headers, rows)
     print(table)
+    load_after = benchutil.load_average()
     if args.write_docs:
+        machine = benchutil.machine_info()
         body = (f"Command: `.venv/bin/python benchmarks/vs_vllm.py --threads {args.threads} --modes {args.modes} "
                 f"--repeats {args.repeats}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
                 f"3072, 16 heads / 8 KV heads x 64, vocab 32,000, untied LM head (166M parameters), fp32.\n"
                 f"- Workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens (lognormal lengths, "
                 f"seed {args.seed}), {args.output_len} greedy tokens each (EOS ignored), step budget {args.budget}, "
                 f"max_num_seqs {args.max_num_seqs}, prefix caching off; one process per measurement (warm-up "
-                f"generate, then the timed one), systems alternated.\n- Load average at the start: "
-                f"{benchutil.load_average()}.\n\n{table}\n")
+                f"generate, then the timed one), systems alternated; vLLM binds its OpenMP threads to cores "
+                f"0..threads-1.\n- Machine: {machine['cpu']}, {machine['cores']} cores; ladle on torch "
+                f"{versions.get('ladle')}, the peer {versions.get('vllm')}.\n- Load average (1/5/15 min) at the "
+                f"start: {load_before}; at the end: {load_after}.\n\n{table}\n")
         benchutil.write_docs_section("vs_vllm", body)
 
 
