@@ -30,7 +30,7 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t GRAIN = 32768;   // elements per call below which one thread does it all (torch's grain)
-constexpr int CHUNK = 256;         // activation elements per step (a scratch buffer on the stack)
+constexpr int CHUNK = 4096;        // libm activation elements per step (a stack buffer; whole rows are fastest)
 constexpr int64_t MAX_HEAD = 1024;  // head_dim bound of the norm + RoPE kernel (its stack buffer)
 
 // ---------------------------------------------------------------- exp / tanh
@@ -46,32 +46,8 @@ using Fn8 = __m256 (*)(__m256);
 Fn8 g_exp8 = nullptr, g_tanh8 = nullptr;
 #endif
 
-// buf[i] = f(buf[i]) for i < n; every lane alike (a tail is padded into a full vector).
+// buf[i] = exp(buf[i]) or tanh(buf[i]) for i < n, through libm (when SLEEF was not found).
 void map_inplace(float* buf, int n, bool tanh_not_exp) {
-#if defined(__AVX512F__)
-  if (Fn16 f = tanh_not_exp ? g_tanh16 : g_exp16) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, f(_mm512_loadu_ps(buf + i)));
-    if (i < n) {
-      const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
-      _mm512_mask_storeu_ps(buf + i, m, f(_mm512_maskz_loadu_ps(m, buf + i)));
-    }
-    return;
-  }
-#endif
-#if defined(__AVX2__)
-  if (Fn8 f = tanh_not_exp ? g_tanh8 : g_exp8) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, f(_mm256_loadu_ps(buf + i)));
-    if (i < n) {
-      alignas(32) float pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::memcpy(pad, buf + i, sizeof(float) * (n - i));
-      _mm256_store_ps(pad, f(_mm256_load_ps(pad)));
-      std::memcpy(buf + i, pad, sizeof(float) * (n - i));
-    }
-    return;
-  }
-#endif
   if (tanh_not_exp) {
     for (int i = 0; i < n; ++i) buf[i] = std::tanh(buf[i]);
   } else {
@@ -80,10 +56,11 @@ void map_inplace(float* buf, int n, bool tanh_not_exp) {
 }
 
 // ---------------------------------------------------------------- torch's row sum order
-// at::sum over a contiguous last dimension of n floats, with W-lane vectors (W = 8 with torch's AVX2
-// kernel, which its AVX512 builds use for sums too; 16 kept for a build that registers an AVX512 one): n / W vectors are summed by a 4-way, 4-level cascade (16 at a time per level),
-// the cascade's four partial vectors added in order; then a scalar accumulator takes the n % W tail
-// elements and the W lanes, in order. n < W: the same cascade over scalars. Every add starts from 0.
+// at::sum over a contiguous last dimension of n floats, with W-lane vectors (W = 8: torch's AVX2 sum
+// kernel, which its AVX512 builds also run; 16 for a torch that registers an AVX512 one): n / W vectors
+// are summed by a 4-way, 4-level cascade (16 at a time per level), the cascade's four partial vectors
+// added in order; then a scalar accumulator takes the n % W tail elements and the W lanes, in order.
+// n < W: the same cascade over scalars. Every add starts from 0.
 template <int W>
 struct Lanes {
   float v[W];
@@ -168,6 +145,86 @@ inline float sum_squares(const float* x, int64_t n, int lanes) {
 inline float inv_rms(const float* x, int64_t n, float eps, int lanes) {
   const float mean = sum_squares(x, n, lanes) / float(n);
   return 1.0f / std::sqrt(mean + eps);
+}
+
+// torch's kBeta (M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded to float) and kKappa.
+constexpr float kBeta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
+constexpr float kKappa = 0.044715f;
+
+// One row of act(g) * u, n elements. With SLEEF installed: one pass in vectors (a masked or padded
+// tail: every lane the same operations); otherwise chunks through libm.
+void gated_row(const float* g, const float* u, float* o, int64_t n, int act) {
+#if defined(__AVX512F__)
+  if (Fn16 f = act == 0 ? g_exp16 : g_tanh16) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
+    const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
+      const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+      __m512 y;
+      if (act == 0) {
+        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+        y = _mm512_div_ps(x, _mm512_add_ps(one, f(neg)));
+      } else {
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 t = f(_mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x)));
+        y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+      }
+      _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if (Fn8 f = act == 0 ? g_exp8 : g_tanh8) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 beta = _mm256_set1_ps(kBeta), kappa = _mm256_set1_ps(kKappa);
+    for (int64_t i = 0; i < n; i += 8) {
+      const int k = int(std::min<int64_t>(8, n - i));
+      alignas(32) float gx[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ux[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const float* gp = g + i;
+      const float* up = u + i;
+      if (k < 8) {
+        std::memcpy(gx, gp, sizeof(float) * k);
+        std::memcpy(ux, up, sizeof(float) * k);
+        gp = gx;
+        up = ux;
+      }
+      const __m256 x = _mm256_loadu_ps(gp);
+      __m256 y;
+      if (act == 0) {
+        y = _mm256_div_ps(x, _mm256_add_ps(one, f(_mm256_xor_ps(x, sign))));
+      } else {
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 t = f(_mm256_mul_ps(beta, _mm256_fmadd_ps(kappa, cube, x)));
+        y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+      }
+      y = _mm256_mul_ps(y, _mm256_loadu_ps(up));
+      if (k == 8) {
+        _mm256_storeu_ps(o + i, y);
+      } else {
+        _mm256_store_ps(gx, y);
+        std::memcpy(o + i, gx, sizeof(float) * k);
+      }
+    }
+    return;
+  }
+#endif
+  alignas(64) float buf[CHUNK];
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int k = int(std::min<int64_t>(CHUNK, n - c));
+    const float* gc = g + c;
+    if (act == 0) {
+      for (int i = 0; i < k; ++i) buf[i] = -gc[i];
+      map_inplace(buf, k, false);
+      for (int i = 0; i < k; ++i) o[c + i] = (gc[i] / (1.0f + buf[i])) * u[c + i];
+    } else {
+      for (int i = 0; i < k; ++i) buf[i] = kBeta * std::fma(kKappa, gc[i] * gc[i] * gc[i], gc[i]);
+      map_inplace(buf, k, true);
+      for (int i = 0; i < k; ++i) o[c + i] = ((0.5f * gc[i]) * (1.0f + buf[i])) * u[c + i];
+    }
+  }
 }
 
 inline int threads_for(int threads, int64_t items, int64_t elements) {
@@ -255,27 +312,10 @@ int ladle_gated_act(const float* gate_up, int64_t in_stride, float* out, int64_t
                     int64_t rows, int64_t width, int act, int threads) {
   if (width <= 0 || rows < 0 || act < 0 || act > 1) return 1;
   const int nt = threads_for(threads, rows, rows * width);
-  // torch's kBeta: M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded to float.
-  const float beta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * in_stride;
-    const float* u = g + width;
-    float* o = out + r * out_stride;
-    alignas(64) float buf[CHUNK];
-    for (int64_t c = 0; c < width; c += CHUNK) {
-      const int n = int(std::min<int64_t>(CHUNK, width - c));
-      const float* gc = g + c;
-      if (act == 0) {
-        for (int i = 0; i < n; ++i) buf[i] = -gc[i];
-        map_inplace(buf, n, false);
-        for (int i = 0; i < n; ++i) o[c + i] = (gc[i] / (1.0f + buf[i])) * u[c + i];
-      } else {
-        for (int i = 0; i < n; ++i) buf[i] = beta * std::fma(kappa, gc[i] * gc[i] * gc[i], gc[i]);
-        map_inplace(buf, n, true);
-        for (int i = 0; i < n; ++i) o[c + i] = ((0.5f * gc[i]) * (1.0f + buf[i])) * u[c + i];
-      }
-    }
+    gated_row(g, g + width, out + r * out_stride, width, act);
   }
   return 0;
 }

@@ -203,8 +203,10 @@ class PackedLinear(Linear):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. `deterministic`: the activation's
-    batch-invariant form (INVARIANT_ACTIVATIONS; CausalLM.set_deterministic sets it)."""
+    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. On CPU float32 eager, act(gate) * up
+    is one fused kernel pass (kernels/cpu_fused.py; row-wise, so in both modes). `deterministic`: the
+    torch path's activation takes its batch-invariant form (INVARIANT_ACTIVATIONS; set by
+    CausalLM.set_deterministic)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
