@@ -63,9 +63,16 @@ void map_inplace(float* buf, int n, bool tanh_not_exp) {
 // n < W: the same cascade over scalars. Every add starts from 0.
 template <int W>
 struct Lanes {
-  float v[W];
-  void zero() { for (int l = 0; l < W; ++l) v[l] = 0.0f; }
-  void add(const Lanes& o) { for (int l = 0; l < W; ++l) v[l] += o.v[l]; }
+  typedef float Vec __attribute__((vector_size(W * sizeof(float))));  // lane-wise ops, one register
+  Vec v;
+  void zero() { v = Vec{} ; }
+  void add(const Lanes& o) { v += o.v; }
+  static Lanes squares(const float* p) {
+    Lanes s;
+    std::memcpy(&s.v, p, sizeof(Vec));
+    s.v = s.v * s.v;
+    return s;
+  }
 };
 
 inline int64_t ceil_log2(int64_t x) {
@@ -73,9 +80,10 @@ inline int64_t ceil_log2(int64_t x) {
   return 64 - __builtin_clzll(uint64_t(x - 1));
 }
 
-// Four interleaved running sums over `size` groups of four items (load(i, k): item k of group i).
+// Four interleaved running sums over `size` groups of four items (load(i, k): item k of group i), as
+// torch's multi_row_sum.
 template <typename T, typename Load>
-void cascade4(int64_t size, Load load, T out[4]) {
+__attribute__((always_inline)) inline void cascade4(int64_t size, Load load, T out[4]) {
   constexpr int levels = 4;
   const int64_t power = std::max<int64_t>(4, ceil_log2(size) / levels);
   const int64_t step = int64_t(1) << power;
@@ -104,7 +112,7 @@ void cascade4(int64_t size, Load load, T out[4]) {
 // The 4-way row sum of `size` items: cascade over size / 4 groups, the tail items into sum 0, then
 // the four sums in order.
 template <typename T, typename Load>
-T row_sum4(int64_t size, Load load) {
+__attribute__((always_inline)) inline T row_sum4(int64_t size, Load load) {
   T part[4];
   const int64_t groups = size / 4;
   cascade4<T>(groups, [&](int64_t i, int k) { return load(4 * i + k); }, part);
@@ -121,16 +129,12 @@ struct Scalar {
 
 // sum of sq[i] = x[i] * x[i] (each rounded, as x.pow(2) is) in torch's order.
 template <int W>
-float sum_squares_w(const float* x, int64_t n) {
+__attribute__((always_inline)) inline float sum_squares_w(const float* x, int64_t n) {
   if (n < W) {
     return row_sum4<Scalar>(n, [&](int64_t i) { return Scalar{x[i] * x[i]}; }).v;
   }
   const int64_t nvec = n / W;
-  const Lanes<W> vec = row_sum4<Lanes<W>>(nvec, [&](int64_t i) {
-    Lanes<W> s;
-    for (int l = 0; l < W; ++l) s.v[l] = x[i * W + l] * x[i * W + l];
-    return s;
-  });
+  const Lanes<W> vec = row_sum4<Lanes<W>>(nvec, [&](int64_t i) { return Lanes<W>::squares(x + i * W); });
   float total = 0.0f;
   for (int64_t i = nvec * W; i < n; ++i) total += x[i] * x[i];
   for (int l = 0; l < W; ++l) total += vec.v[l];
