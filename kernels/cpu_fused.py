@@ -39,6 +39,7 @@ from kernels.cpu_fused_source import SOURCE
 log = logging.getLogger("ladle.kernels")
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # models' hidden_act -> kernel code
+MAX_HEAD_DIM = 1024  # qk_norm_rope's bound (a stack buffer per head)
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "ladle_add_rmsnorm": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _F, _I32, _I32],
@@ -209,7 +210,8 @@ def qk_norm_rope(
     qk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """RoPE(weight * rms_norm(qk)) per head (weight None: RoPE(qk)) for qk [T, H, D], weight [H, D]
-    (Gemma: 1 + weight), cos / signed sin [T, 1, D] (models.layers.RotaryEmbedding); a new [T, H, D]."""
+    (Gemma: 1 + weight), cos / signed sin [T, 1, D] (models.layers.RotaryEmbedding); a new [T, H, D].
+    D at most MAX_HEAD_DIM."""
     t, heads, dim = qk.shape
     if qk.stride(-1) != 1:
         qk = qk.contiguous()

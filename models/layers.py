@@ -270,15 +270,16 @@ class Attention(nn.Module):
     def _qk_norm_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The q and k heads [T, Hq + Hkv, D] side by side: the optional per-head norm (one over all
         heads, each scaled by its own projection's weight), then one RoPE over both."""
+        fused = self.head_dim <= cpu_fused.MAX_HEAD_DIM and fused_cpu(qk)
         if self.q_norm is None:
-            if fused_cpu(qk):
+            if fused:
                 return cpu_fused.qk_norm_rope(qk, None, 0.0, cos, sin)
             return apply_rope(qk, cos, sin)
         weight = getattr(self, "qk_norm_weight", None)
         if weight is None:
             weight = self._qk_norm_weight()
         scale = getattr(self, "qk_norm_scale", None)
-        if fused_cpu(qk):
+        if fused:
             if self.q_norm.offset:
                 weight = 1.0 + weight.float() if scale is None else scale
             return cpu_fused.qk_norm_rope(qk, weight, self.q_norm.eps, cos, sin)
