@@ -169,7 +169,8 @@ def main() -> None:
         body = (
             f"`.venv/bin/python benchmarks/fused_cpu.py --rows-list {args.rows_list} --threads-list "
             f"{args.threads_list} --repeats {args.repeats}`: issue 21's random Qwen3 (8 layers, hidden 1024, "
-            f"intermediate 3072, 16 heads / 8 KV heads x 64, qk-norm, vocab 32,000), fp32. Each op is one "
+            f"intermediate 3072, 16 heads / 8 KV heads x 64, qk-norm, vocab 32,000), fp32, torch "
+            f"{torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}). Each op is one "
             f"decoder layer's own module called with the fused path on and off (kernels/cpu_fused.py; "
             f"{info['isa']}, exp/tanh: {info['math']}), alternated; ms per call, the median and the best of "
             f"{args.repeats} repeats (the best is the less disturbed by other jobs on the shared cores); "

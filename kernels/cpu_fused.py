@@ -8,13 +8,13 @@ its tensor in memory; these do each group in one pass:
   (or RoPE alone, Llama), written where the attention kernel reads q and k.
 
 Numerics (the contract): every output element is the same sequence of float32 operations as the torch
-ops of models/layers.py, in the same order, with no fused multiply-add; a row's sum of squares is
-added in the order of torch's CPU sum kernel (at torch's vector width: 16 lanes under its AVX512
-kernels, 8 otherwise); exp and tanh are torch's own (SLEEF's u10 functions, looked up in
-libtorch_cpu), as `torch.exp`/`torch.tanh` and the vector loops of F.silu/F.gelu use them. So norms
-and RoPE are bitwise torch's, and the activations bitwise the batch-invariant forms of
-models/layers.py (F.silu's scalar remainder loop uses libm instead: within an ulp). Where SLEEF
-cannot be found, libm's expf/tanhf are used (within an ulp).
+ops of models/layers.py, in the same order (a fused multiply-add only where torch's vector GELU has
+one); a row's sum of squares is added in torch's CPU sum order (its 8- or 16-lane cascade, the width
+found once by comparing with torch: `torch_lanes`); exp and tanh are torch's own vector functions
+(SLEEF's u10, looked up in libtorch_cpu). So norms and RoPE are bitwise the torch ops', and the
+activations bitwise F.silu's / F.gelu's vector loops. They can differ in the last bit from F.*'s
+scalar remainder loop (libm) and from the torch path's batch-invariant exp/tanh forms (torch.exp and
+torch.tanh are MKL's, not SLEEF's). Where SLEEF cannot be found: libm (within an ulp).
 
 Determinism: each row (each head, for qk_norm_rope) is computed by one thread from its own values
 alone, so its bits never depend on the batch, the row count or the thread count: batch-invariant by

@@ -7,7 +7,8 @@ output rounds as the torch ops it replaces, in the same order) is described in k
 SOURCE = r"""
 // ladle fused CPU kernels, float32: residual add + RMSNorm, gated activation (SiLU / GELU-tanh times
 // up), per-head RMSNorm + RoPE. Each output element is the same sequence of IEEE operations as the
-// torch ops models/layers.py would run (compiled with -ffp-contract=off: no fused multiply-adds), and
+// torch ops models/layers.py would run (built with -ffp-contract=off: a fused multiply-add only where
+// torch's own vector code has one, GELU's inner term), and
 // a row's sum of squares is added in the order torch's CPU sum kernel uses for a contiguous row.
 // Rows are independent: a row's bits never depend on the other rows, the row count or the threads.
 #include <algorithm>
@@ -65,7 +66,7 @@ template <int W>
 struct Lanes {
   typedef float Vec __attribute__((vector_size(W * sizeof(float))));  // lane-wise ops, one register
   Vec v;
-  void zero() { v = Vec{} ; }
+  void zero() { v = Vec{}; }
   void add(const Lanes& o) { v += o.v; }
   static Lanes squares(const float* p) {
     Lanes s;
