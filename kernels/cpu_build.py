@@ -63,13 +63,13 @@ def cache_dir() -> Path:
     return Path(base) / "ladle" / "kernels"
 
 
-def _compile(cxx: str, flags: list[str], out: Path) -> None:
+def _compile(cxx: str, flags: list[str], out: Path, source: str = SOURCE) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     src = Path(tmp).with_suffix(".cpp")
     try:
-        src.write_text(SOURCE)
+        src.write_text(source)
         cmd = [cxx, *flags, str(src), "-o", tmp]
         result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
@@ -91,20 +91,33 @@ def _open(path: Path) -> ctypes.CDLL:
 def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> tuple[ctypes.CDLL, Path]:
     """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
     `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path)."""
+    path, seconds = compile_cached(SOURCE, "libladle_attention", [*arch_flags, f"-DLADLE_TILE={TILE}"], directory)
+    if seconds is not None:
+        _state["build_seconds"] = seconds
+    return _open(path), path
+
+
+def compile_cached(
+    source: str, stem: str, flags: list[str], directory: Path | None = None
+) -> tuple[Path, float | None]:
+    """The shared library built from `source` with BASE_FLAGS + flags, under `directory` (default
+    cache_dir()), keyed by source, compiler, flags and CPU; (its path, build seconds or None if cached).
+    Shared by every C++ kernel library (kernels/cpu_fused.py builds a second one)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
-    flags = [*BASE_FLAGS, *arch_flags, f"-DLADLE_TILE={TILE}"]
-    key = hashlib.sha256("\0".join([SOURCE, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
-    path = (directory or cache_dir()) / f"libladle_attention_{key[:20]}.so"
-    if not path.exists():
-        start = time.perf_counter()
-        log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
-        _compile(cxx, flags, path)
-        _state["build_seconds"] = time.perf_counter() - start
-        log.info("built %s in %.1f s", path, _state["build_seconds"])
-    return _open(path), path
+    flags = [*BASE_FLAGS, *flags]
+    key = hashlib.sha256("\0".join([source, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    path = (directory or cache_dir()) / f"{stem}_{key[:20]}.so"
+    if path.exists():
+        return path, None
+    start = time.perf_counter()
+    log.info("building %s with %s %s", stem, cxx, " ".join(flags))
+    _compile(cxx, flags, path, source)
+    seconds = time.perf_counter() - start
+    log.info("built %s in %.1f s", path, seconds)
+    return path, seconds
 
 
 def _build() -> ctypes.CDLL:

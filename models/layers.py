@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, attention, write_kv_cache
+from kernels import AttentionMetadata, attention, cpu_fused, write_kv_cache
 from models.attention_op import attention_op
 from models.config import ModelArch
 from models.linear import Linear
@@ -54,6 +54,15 @@ INVARIANT_ACTIVATIONS = {
 }
 
 
+def fused_cpu(x: torch.Tensor) -> bool:
+    """Whether x's elementwise work runs in the fused C++ kernels (kernels/cpu_fused.py): CPU float32,
+    eager, no autograd. Under torch.compile inductor fuses the torch ops itself; they stay as they are."""
+    return (
+        x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling() and cpu_fused.enabled()
+    )
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. `offset=True` is Gemma's variant: scale by (1 + weight), cast last."""
 
@@ -71,7 +80,16 @@ class RMSNorm(nn.Module):
             self.register_buffer("scale", 1.0 + self.weight.float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_cpu(x):
+            return cpu_fused.add_rms_norm(x, None, self._fused_weight(), self.eps)[0]
         return self.with_weight(x, self.weight, getattr(self, "scale", None))
+
+    def _fused_weight(self) -> torch.Tensor:
+        """What multiplies the normed row: the weight, or the offset variant's 1 + weight (float32)."""
+        if not self.offset:
+            return self.weight
+        scale = getattr(self, "scale", None)
+        return 1.0 + self.weight.float() if scale is None else scale
 
     def with_weight(
         self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None
@@ -88,6 +106,8 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual add fused into the norm's call, so a layer
         passes its un-normed stream along instead of adding it back as a separate step (as vLLM does).
         residual=None (the first layer) norms x alone."""
+        if fused_cpu(x):
+            return cpu_fused.add_rms_norm(x, residual, self._fused_weight(), self.eps)
         if residual is not None:
             x = x + residual
         return self(x), x
@@ -183,8 +203,10 @@ class PackedLinear(Linear):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. `deterministic`: the activation's
-    batch-invariant form (INVARIANT_ACTIVATIONS; CausalLM.set_deterministic sets it)."""
+    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. On CPU float32 eager, act(gate) * up
+    is one fused kernel pass (kernels/cpu_fused.py; row-wise, so in both modes). `deterministic`: the
+    torch path's activation takes its batch-invariant form (INVARIANT_ACTIVATIONS; set by
+    CausalLM.set_deterministic)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
@@ -194,10 +216,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
         self.invariant_act = INVARIANT_ACTIVATIONS[act]
+        self.act_name = act
         self.deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_name in cpu_fused.ACTIVATIONS and fused_cpu(gate_up):
+            # Row-wise by construction, so deterministic mode takes it too.
+            return self.down_proj(cpu_fused.gated_activation(gate_up, self.act_name))
+        gate, up = gate_up.chunk(2, dim=-1)
         act = self.invariant_act if self.deterministic else self.act
         return self.down_proj(act(gate) * up)
 
@@ -240,6 +267,24 @@ class Attention(nn.Module):
             if self.q_norm.offset:
                 self.register_buffer("qk_norm_scale", 1.0 + weight.float(), persistent=False)
 
+    def _qk_norm_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The q and k heads [T, Hq + Hkv, D] side by side: the optional per-head norm (one over all
+        heads, each scaled by its own projection's weight), then one RoPE over both."""
+        fused = self.head_dim <= cpu_fused.MAX_HEAD_DIM and fused_cpu(qk)
+        if self.q_norm is None:
+            if fused:
+                return cpu_fused.qk_norm_rope(qk, None, 0.0, cos, sin)
+            return apply_rope(qk, cos, sin)
+        weight = getattr(self, "qk_norm_weight", None)
+        if weight is None:
+            weight = self._qk_norm_weight()
+        scale = getattr(self, "qk_norm_scale", None)
+        if fused:
+            if self.q_norm.offset:
+                weight = 1.0 + weight.float() if scale is None else scale
+            return cpu_fused.qk_norm_rope(qk, weight, self.q_norm.eps, cos, sin)
+        return apply_rope(self.q_norm.with_weight(qk, weight, scale), cos, sin)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -256,17 +301,7 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        if self.q_norm is None:
-            # q and k heads side by side: one RoPE over both.
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            # One norm over all q and k heads, each head scaled by its own projection's weight.
-            weight = getattr(self, "qk_norm_weight", None)
-            if weight is None:
-                weight = self._qk_norm_weight()
-            qk = self.q_norm.with_weight(qk, weight, getattr(self, "qk_norm_scale", None))
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self._qk_norm_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         k_all = v_all = None
         if rows is not None:
             k_all, v_all = k, v  # written to the cache for every row: later steps read them

@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
         bitwise the same whatever other rows share the forward and however many there are. Linear layers
         already are on their packed CPU path (models/linear.py), which this checks now for every weight
         shape at the current thread count, raising where it cannot hold (CUDA, non-float32, no oneDNN);
-        the MLP activation switches to its exp/tanh form (models/layers.py, INVARIANT_ACTIVATIONS).
+        the MLP activation switches to its exp/tanh form (models/layers.py, INVARIANT_ACTIVATIONS) where
+        the fused CPU kernel (row-wise already, kernels/cpu_fused.py) does not run it.
         Norms, RoPE, embeddings and the residual stream are row-wise as they are (tests/models/
         test_batch_invariance.py). Attention is the kernel's business (kernels/)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, cpu_fused
 from models import load_model
 from models.layers import INVARIANT_ACTIVATIONS, RMSNorm, RotaryEmbedding, apply_rope
 from models.linear import onednn_available
@@ -83,6 +83,8 @@ def run_batch(model, seqs: list[tuple[list[int], int, int]], tracked: int) -> tu
 def test_a_rows_logits_do_not_depend_on_the_batch(models, data):
     name = data.draw(st.sampled_from(list(ARCHS)), label="model")
     threads = data.draw(st.sampled_from([1, 2]), label="threads")
+    # The fused CPU kernels (kernels/cpu_fused.py) when they built, and the torch ops they replace.
+    fused = data.draw(st.booleans(), label="fused CPU kernels") and cpu_fused.load_library() is not None
     model = models[name]
     vocab = model.arch.vocab_size
     token, position = data.draw(st.integers(3, vocab - 1)), data.draw(st.integers(0, 500))
@@ -96,9 +98,14 @@ def test_a_rows_logits_do_not_depend_on_the_batch(models, data):
         toks = torch.randint(3, vocab, (q,), generator=torch.Generator().manual_seed(seed)).tolist()
         seqs.append((toks, ctx, ctx))
     seqs.insert(where, ([token], 0, position))
-    with with_threads(threads):
-        alone_hidden, alone_logits = run_batch(model, [([token], 0, position)], 0)
-        hidden, logits = run_batch(model, seqs, where)
+    before = cpu_fused.enabled()
+    cpu_fused.set_enabled(fused)
+    try:
+        with with_threads(threads):
+            alone_hidden, alone_logits = run_batch(model, [([token], 0, position)], 0)
+            hidden, logits = run_batch(model, seqs, where)
+    finally:
+        cpu_fused.set_enabled(before)
     assert torch.equal(hidden, alone_hidden)
     assert torch.equal(logits, alone_logits)
 
@@ -164,16 +171,25 @@ def test_invariant_activations(act, width, threads):
     assert rowwise_differences(fn, width, threads) == []
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("width", [16, 64, 1000, 1024, 2730])
 @pytest.mark.parametrize("offset", [False, True])
-def test_rmsnorm_is_row_wise(offset, width, threads):
+def test_rmsnorm_is_row_wise(offset, width, threads, fused):
+    """The torch ops, and the fused CPU kernel (kernels/cpu_fused.py) that runs them by default."""
+    if fused and cpu_fused.load_library() is None:
+        pytest.skip("no fused CPU kernels")
     norm = RMSNorm(width, 1e-6, offset=offset)
     with torch.no_grad():
         norm.weight.normal_(generator=torch.Generator().manual_seed(0))
     norm.derive_weights()
-    with torch.inference_mode():
-        assert rowwise_differences(norm, width, threads) == []
+    before = cpu_fused.enabled()
+    cpu_fused.set_enabled(fused)
+    try:
+        with torch.inference_mode():
+            assert rowwise_differences(norm, width, threads) == []
+    finally:
+        cpu_fused.set_enabled(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
