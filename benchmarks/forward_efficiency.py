@@ -14,7 +14,9 @@ every step at the token count of each of its forwards, and the LM head's at its 
 (interleaved with the steps, so the reference sees the same machine load as the forward it stands
 for; its time is left out of the run's wall time). The GEMM reference time of the run is the sum over
 forwards of layers x (the four GEMMs at that width) + the LM head's GEMM: what the forward would cost
-if it were nothing but torch's matmuls. Reported:
+if it were nothing but torch's matmuls. The last layer runs o/gate_up/down on the rows the forward
+returns only (AttentionMetadata.restrict_outputs: the sampling rows), so its three are counted and
+timed at that row count. Reported:
 
 - forward GFLOP/s = matmul FLOPs of the run (2 x tokens x weight elements, decoder and LM head;
   attention's own FLOPs not counted) / seconds in forwards;
@@ -50,14 +52,17 @@ class TimedModel:
 
     def __init__(self, model):
         self.model = model
-        self.forwards: list[tuple[int, float]] = []  # (tokens, seconds)
+        self.forwards: list[tuple[int, int, float]] = []  # (tokens, rows returned, seconds)
         self.heads: list[tuple[int, float]] = []  # (sampled rows, seconds)
 
     def __call__(self, ids, positions, kv_caches, meta):
         t0 = time.perf_counter()
         hidden = self.model(ids, positions, kv_caches, meta)
-        self.forwards.append((int(ids.shape[0]), time.perf_counter() - t0))
+        self.forwards.append((int(ids.shape[0]), int(hidden.shape[0]), time.perf_counter() - t0))
         return hidden
+
+    def __getattr__(self, name):  # everything else the runner reads (arch, ...) is the model's
+        return getattr(self.model, name)
 
     def compute_logits(self, hidden):
         t0 = time.perf_counter()
@@ -93,11 +98,21 @@ class GemmReference:
         F.linear(x, w)
         return time.perf_counter() - t0
 
-    def layer_seconds(self, n: int) -> float:
-        return sum(self._time(w, n) for w in self.layer)
+    def layer_seconds(self, n: int, kept: int | None = None) -> float:
+        """One layer's four GEMMs at n rows; kept: the last layer's, o/gate_up/down at the kept rows."""
+        qkv, *rest = self.layer
+        return self._time(qkv, n) + sum(self._time(w, n if kept is None else kept) for w in rest)
 
     def head_seconds(self, n: int) -> float:
         return self._time(self.head, n)
+
+
+def forward_flops(shapes: list[tuple[int, int]], layers: int, tokens: int, kept: int) -> int:
+    """Matmul FLOPs of one forward of `tokens` rows returning `kept`: every layer's four GEMMs on every
+    row, but the last layer's o/gate_up/down on the kept rows only."""
+    (qkv_out, qkv_in), *rest = shapes
+    per_row = sum(o * i for o, i in rest)
+    return 2 * (layers * tokens * qkv_out * qkv_in + ((layers - 1) * tokens + kept) * per_row)
 
 
 def run_one(args) -> dict:
@@ -143,18 +158,18 @@ def run_one(args) -> dict:
         steps.append(eng.last_step.duration)
         # The reference right after the step, under the same load: one layer's GEMMs x layers.
         r0 = time.perf_counter()
-        gemm_s += sum(layers * ref.layer_seconds(n) for n, _ in timed.forwards[nf:])
+        gemm_s += sum((layers - 1) * ref.layer_seconds(n) + ref.layer_seconds(n, kept)
+                      for n, kept, _ in timed.forwards[nf:])
         gemm_s += sum(ref.head_seconds(n) for n, _ in timed.heads[nh:])
         ref_s += time.perf_counter() - r0
     wall = time.perf_counter() - t0 - ref_s
     outputs = [done[i].output_token_ids for i in ids]
     graphs_during = counters["stats"]["unique_graphs"] - graphs_before
 
-    weights = sum(o * i for o, i in shapes)
-    flops = (sum(2 * n * weights * layers for n, _ in timed.forwards)
+    flops = (sum(forward_flops(shapes, layers, n, kept) for n, kept, _ in timed.forwards)
              + sum(2 * n * vocab * hidden for n, _ in timed.heads))
-    forward_s = sum(s for _, s in timed.forwards) + sum(s for _, s in timed.heads)
-    widths = {n for n, _ in timed.forwards}
+    forward_s = sum(s for *_, s in timed.forwards) + sum(s for _, s in timed.heads)
+    widths = {n for n, *_ in timed.forwards}
     return {
         "mode": args.mode, "threads": threads, "wall_s": wall, "build_s": build_s,
         "compile_s": eng.compile_seconds, "forward_s": forward_s, "gemm_s": gemm_s, "gflop": flops / 1e9,

@@ -199,10 +199,11 @@ class LLMEngine:
 
     def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
         """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and
-        scheduler (sequence i computes its last query_lens[i] of seq_lens[i] tokens)."""
+        scheduler (sequence i computes its last query_lens[i] of seq_lens[i] tokens); its last layer
+        computes the sampling rows only, as a step's forward does (without prompt logprobs)."""
         from engine.profiling import dummy_forward
 
-        return dummy_forward(self.model, query_lens, seq_lens, self.config.model.attention_backend)
+        return dummy_forward(self.model, query_lens, seq_lens, self.config.model.attention_backend, every_row=False)
 
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks

@@ -194,7 +194,7 @@ def profile_peak_bytes(model, num_tokens: int, max_model_len: int, backend: str 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    dummy_forward(model, lens, lens, backend)
+    dummy_forward(model, lens, lens, backend, every_row=True)  # every row: the upper bound
     if not cuda:
         return None
     blocks = sum(math.ceil(n / BLOCK) for n in lens)

@@ -18,11 +18,15 @@ BLOCK = 16
 
 @torch.inference_mode()  # inputs made as the model runner makes them (a compiled forward guards on it)
 def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[int],
-                  backend: str = "auto", block_size: int = BLOCK, share_blocks: bool = False) -> float:
+                  backend: str = "auto", block_size: int = BLOCK, share_blocks: bool = False,
+                  every_row: bool = True) -> float:
     """Run one forward where sequence i computes its last query_lens[i] of seq_lens[i] tokens (earlier
     positions are read from the cache, here zeros) and the LM head runs on each sequence's last token.
     share_blocks: every sequence's table starts at block 0, so the throwaway cache holds the longest
     sequence only (the values are meaningless anyway; for warm-ups, where only the launches matter).
+    every_row: the last layer computes every row, the most a forward of this shape costs (a step with
+    prompt logprobs keeps them all: what the memory profile needs); False keeps each sequence's last row
+    only, as the engine's forward of a step without prompt logprobs (what a timing of it needs).
     Returns the forward's wall seconds (synchronised on CUDA)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -38,13 +42,15 @@ def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[
     ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, logits_indices=ends,
                                    backend=backend)
+    if not every_row:
+        meta.restrict_outputs([q - 1 for q in query_lens])  # the forward returns those rows only
     ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(s - q, s, device=device) for q, s in zip(query_lens, seq_lens)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     hidden = model(ids, pos, caches, meta)
-    model.compute_logits(hidden[meta.logits_indices])
+    model.compute_logits(hidden[meta.logits_indices] if every_row else hidden)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0

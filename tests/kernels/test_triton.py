@@ -538,6 +538,8 @@ def test_warm_up_launches_every_variant_a_run_uses(monkeypatch):
     ]
     for query_lens, seq_lens in run_batches:
         dummy_forward(model, query_lens, seq_lens, backend="triton")
+        # As a step runs it: the last layer attends with the sampling rows only (decode-shaped rows).
+        dummy_forward(model, query_lens, seq_lens, backend="triton", every_row=False)
     used = set(launches)
     assert any(name == "_split_kv_decode_kernel" for name, _ in used)
     assert used <= warmed, used - warmed
