@@ -116,6 +116,56 @@ def mixed_step(model, rows: int, gen: torch.Generator):
     return step
 
 
+LAYER = {"residual add + RMSNorm": 2, "qk RMSNorm + RoPE": 1, "SiLU(gate) * up": 1}
+LAYER_ROW = "one Qwen3 layer (2 norms + qk + act)"
+
+
+def measure_ops(model, threads: int, rows: int, repeats: int, gen: torch.Generator) -> list[list]:
+    """Table rows for each op and one layer's sum of them: median and best, torch and fused."""
+    cases = op_cases(model, rows, gen)
+    med = alternate(cases, repeats)
+    for on in (True, False):
+        med[LAYER_ROW, on] = tuple(sum(n * med[(name, on)][i] for name, n in LAYER.items()) for i in (0, 1))
+    table = []
+    for name in [*cases, LAYER_ROW]:
+        (t, tb), (f, fb) = med[(name, False)], med[(name, True)]
+        table.append([threads, rows, name, round(t, 4), round(f, 4), f"{t / f:.2f}x",
+                      round(tb, 4), round(fb, 4), f"{tb / fb:.2f}x"])
+        print(table[-1], flush=True)
+    return table
+
+
+def measure_forward(model, threads: int, rows: int, repeats: int, gen: torch.Generator) -> list:
+    step = mixed_step(model, rows, gen)
+    tokens = {}
+    for on in (True, False):
+        cpu_fused.set_enabled(on)
+        with torch.inference_mode():
+            tokens[on] = step()
+    fwd = alternate({"forward": step}, repeats, budget_s=0.5)
+    (t, tb), (f, fb) = fwd[("forward", False)], fwd[("forward", True)]
+    row = [threads, rows, round(t, 2), round(f, 2), f"{t / f:.3f}x", round(t - f, 2), round(tb, 2),
+           round(fb, 2), f"{tb / fb:.3f}x", "yes" if torch.equal(tokens[True], tokens[False]) else "NO"]
+    print(row, flush=True)
+    return row
+
+
+def docs_body(args, info: dict, ops_md: str, fwd_md: str) -> str:
+    return (
+        f"`.venv/bin/python benchmarks/fused_cpu.py --rows-list {args.rows_list} --threads-list "
+        f"{args.threads_list} --repeats {args.repeats}`: issue 21's random Qwen3 (8 layers, hidden 1024, "
+        f"intermediate 3072, 16 heads / 8 KV heads x 64, qk-norm, vocab 32,000), fp32, torch "
+        f"{torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}). Each op is one "
+        f"decoder layer's own module called with the fused path on and off (kernels/cpu_fused.py; "
+        f"{info['isa']}, exp/tanh: {info['math']}), alternated; ms per call, the median and the best of "
+        f"{args.repeats} repeats (the best is the less disturbed by other jobs on the shared cores); "
+        f"load average at the end {bu.load_average()}.\n\n{ops_md}\n\n"
+        f"A whole forward of a mixed step (one prefill chunk of rows - 32 tokens + 32 decodes at context "
+        f"200; the LM head on the 33 last rows), fused on and off alternated ({args.forward_repeats} "
+        f"repeats):\n\n{fwd_md}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows-list", default="512,32")
@@ -129,57 +179,21 @@ def main() -> None:
     model = load_model(None, ARCH, torch.float32, "cpu", seed=0)
     info = cpu_fused.build_info()
     print(f"fused kernels: {info}; load average {bu.load_average()}")
-    headers = ["threads", "rows", "op", "torch ms (median)", "fused ms (median)", "speedup",
-               "torch ms (best)", "fused ms (best)", "speedup (best)"]
     table, forwards = [], []
     for threads in ints(args.threads_list):
         torch.set_num_threads(threads)
         for rows in ints(args.rows_list):
             gen = torch.Generator().manual_seed(rows)
-            cases = op_cases(model, rows, gen)
-            med = alternate(cases, args.repeats)
-            layer = {"residual add + RMSNorm": 2, "qk RMSNorm + RoPE": 1, "SiLU(gate) * up": 1}
-            med["one Qwen3 layer (2 norms + qk + act)", True] = tuple(
-                sum(n * med[(name, True)][i] for name, n in layer.items()) for i in (0, 1))
-            med["one Qwen3 layer (2 norms + qk + act)", False] = tuple(
-                sum(n * med[(name, False)][i] for name, n in layer.items()) for i in (0, 1))
-            for name in [*cases, "one Qwen3 layer (2 norms + qk + act)"]:
-                (t, tb), (f, fb) = med[(name, False)], med[(name, True)]
-                table.append([threads, rows, name, round(t, 4), round(f, 4), f"{t / f:.2f}x",
-                              round(tb, 4), round(fb, 4), f"{tb / fb:.2f}x"])
-                print(table[-1], flush=True)
-            step = mixed_step(model, rows, gen)
-            tokens = {}
-            for on in (True, False):
-                cpu_fused.set_enabled(on)
-                with torch.inference_mode():
-                    tokens[on] = step()
-            fwd = alternate({"forward": step}, args.forward_repeats, budget_s=0.5)
-            (t, tb), (f, fb) = fwd[("forward", False)], fwd[("forward", True)]
-            forwards.append([threads, rows, round(t, 2), round(f, 2), f"{t / f:.3f}x", round(t - f, 2),
-                             round(tb, 2), round(fb, 2), f"{tb / fb:.3f}x",
-                             "yes" if torch.equal(tokens[True], tokens[False]) else "NO"])
-            print(forwards[-1], flush=True)
-    ops_md = bu.markdown_table(headers, table)
+            table += measure_ops(model, threads, rows, args.repeats, gen)
+            forwards.append(measure_forward(model, threads, rows, args.forward_repeats, gen))
+    ops_md = bu.markdown_table(["threads", "rows", "op", "torch ms (median)", "fused ms (median)", "speedup",
+                                "torch ms (best)", "fused ms (best)", "speedup (best)"], table)
     fwd_md = bu.markdown_table(["threads", "rows", "torch ops ms (median)", "fused ms (median)", "speedup",
                                 "saved ms", "torch ops ms (best)", "fused ms (best)", "speedup (best)",
                                 "same greedy tokens"], forwards)
     print(ops_md + "\n\n" + fwd_md)
     if args.write_docs:
-        body = (
-            f"`.venv/bin/python benchmarks/fused_cpu.py --rows-list {args.rows_list} --threads-list "
-            f"{args.threads_list} --repeats {args.repeats}`: issue 21's random Qwen3 (8 layers, hidden 1024, "
-            f"intermediate 3072, 16 heads / 8 KV heads x 64, qk-norm, vocab 32,000), fp32, torch "
-            f"{torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}). Each op is one "
-            f"decoder layer's own module called with the fused path on and off (kernels/cpu_fused.py; "
-            f"{info['isa']}, exp/tanh: {info['math']}), alternated; ms per call, the median and the best of "
-            f"{args.repeats} repeats (the best is the less disturbed by other jobs on the shared cores); "
-            f"load average at the end {bu.load_average()}.\n\n{ops_md}\n\n"
-            f"A whole forward of a mixed step (one prefill chunk of rows - 32 tokens + 32 decodes at context "
-            f"200; the LM head on the 33 last rows), fused on and off alternated ({args.forward_repeats} "
-            f"repeats):\n\n{fwd_md}"
-        )
-        print("wrote", bu.write_docs_section("fused_cpu", body))
+        print("wrote", bu.write_docs_section("fused_cpu", docs_body(args, info, ops_md, fwd_md)))
 
 
 if __name__ == "__main__":
