@@ -117,6 +117,32 @@ inline Mask lanes_in(int lo, int hi) {
   if (hi <= lo) return 0;
   return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
+// 16x16 transpose of r[0..15] in place.
+inline void transpose16(V* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i].x, r[2 * i + 1].x);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i].x, r[2 * i + 1].x);
+  }
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    __m512 x = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), y = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    __m512 x2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    __m512 y2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c].x = _mm512_shuffle_f32x4(x, x2, 0x88);
+    r[8 + c].x = _mm512_shuffle_f32x4(x, x2, 0xDD);
+    r[4 + c].x = _mm512_shuffle_f32x4(y, y2, 0x88);
+    r[12 + c].x = _mm512_shuffle_f32x4(y, y2, 0xDD);
+  }
+}
 // out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
 inline V fold16(const V* a) {
   __m512 x[8], y[4], z[2];
@@ -218,6 +244,42 @@ inline V fold16(const V* a) {
   for (int i = 0; i < 16; ++i) out[i] = vhsum(a[i]);
   return vload(out);
 }
+// 8x8 transpose of r[0..7] in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+// 16x16 transpose of r[0..15] in place, as four 8x8 blocks.
+inline void transpose16(V* r) {
+  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 lo/hi, rows 8-15 lo/hi
+  for (int i = 0; i < 8; ++i) {
+    a[i] = r[i].lo;
+    b[i] = r[i].hi;
+    c[i] = r[8 + i].lo;
+    d[i] = r[8 + i].hi;
+  }
+  transpose8(a);
+  transpose8(b);
+  transpose8(c);
+  transpose8(d);
+  for (int i = 0; i < 8; ++i) {
+    r[i] = {a[i], c[i]};
+    r[8 + i] = {b[i], d[i]};
+  }
+}
 #define LADLE_ISA "avx2"
 #else
 struct V { float x[16]; };
@@ -267,6 +329,10 @@ inline Mask lanes_in(int lo, int hi) {
   return m;
 }
 inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
+inline void transpose16(V* r) {
+  for (int i = 0; i < 16; ++i)
+    for (int j = i + 1; j < 16; ++j) std::swap(r[i].x[j], r[j].x[i]);
+}
 #define LADLE_ISA "generic"
 #endif
 
@@ -565,19 +631,37 @@ inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, cons
     const V al = vset(alpha[r]);
     for (int c = 0; c < C; ++c) a[r][c] = vload(acc + size_t(r) * dp + d0 + 16 * c) * al;
   }
-  for (int j = jlo; j < jhi; ++j) {
-    const float* vr = vrow[j] + d0;
-    V vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const V pb = vset(PT ? p[size_t(j) * BR + r] : p[size_t(r) * TILE + j]);
-      if constexpr (MASKED) {
-        const bool on = j >= lo[r] && j < hi[r];
-        for (int c = 0; c < C; ++c) a[r][c] = vfma_if(on, pb, vv[c], a[r][c]);
-      } else {
-        for (int c = 0; c < C; ++c) a[r][c] = vfma(pb, vv[c], a[r][c]);
+  auto keys = [&](int j0, int j1, auto masked) {
+    for (int j = j0; j < j1; ++j) {
+      const float* vr = vrow[j] + d0;
+      V vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const V pb = vset(PT ? p[size_t(j) * BR + r] : p[size_t(r) * TILE + j]);
+        if constexpr (decltype(masked)::value) {
+          const bool on = j >= lo[r] && j < hi[r];
+          for (int c = 0; c < C; ++c) a[r][c] = vfma_if(on, pb, vv[c], a[r][c]);
+        } else {
+          for (int c = 0; c < C; ++c) a[r][c] = vfma(pb, vv[c], a[r][c]);
+        }
       }
     }
+  };
+  if constexpr (MASKED) {
+    // Keys every row sees go unmasked; only the ends of the range (the rows' differences) are masked.
+    // A row that sees no key here makes the middle empty (its lo >= its hi).
+    int lo_max = jlo, hi_min = jhi;
+    for (int r = 0; r < R; ++r) {
+      lo_max = std::max(lo_max, lo[r]);
+      hi_min = std::min(hi_min, hi[r]);
+    }
+    lo_max = std::min(lo_max, jhi);
+    hi_min = std::max(hi_min, lo_max);
+    keys(jlo, lo_max, std::true_type{});
+    keys(lo_max, hi_min, std::false_type{});
+    keys(hi_min, jhi, std::true_type{});
+  } else {
+    keys(jlo, jhi, std::false_type{});
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) vstore(acc + size_t(r) * dp + d0 + 16 * c, a[r][c]);
@@ -820,21 +904,36 @@ struct Kernel {
   // transposed in s.qt at b * BR * Dp as [Dp][BR], zeros past head_dim and past the rows. Each padded
   // row's absolute position in s.ipos and s.pos (float, exact); padding rows far before position 0.
   void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
-    const float qmul = q_mul();
+    const V qmul = vset(q_mul());
     const int heads = it.h1 - it.h0;
-    std::fill_n(s.qt.data(), size_t(heads) * nqp * Dp, 0.0f);
     for (int hi = 0; hi < heads; ++hi)
-      for (int r = 0; r < nqp; ++r) {
-        const int pr = hi * nqp + r;
-        s.ipos[pr] = r < nqg ? first + r / G : -(1 << 20);
-        s.pos[pr] = float(s.ipos[pr]);
-        if (r >= nqg) continue;
+      for (int r0 = 0; r0 < nqp; r0 += 16) {  // 16 rows (one row vector) at a time
+        const int pr = hi * nqp + r0;
+        int64_t off[16];
+        for (int i = 0; i < 16; ++i) {
+          const int r = r0 + i;
+          s.ipos[pr + i] = r < nqg ? first + r / G : -(1 << 20);
+          s.pos[pr + i] = float(s.ipos[pr + i]);
+          off[i] = r < nqg ? row_token(it, qs, nqg, hi * nqg + r) * a.q_stride_t +
+                                 row_head(it, nqg, hi * nqg + r) * a.q_stride_h
+                           : -1;
+        }
         float* dst = s.qt.data() + size_t(pr / BR) * BR * Dp + pr % BR;
-        const int64_t off = row_token(it, qs, nqg, hi * nqg + r) * a.q_stride_t +
-                            row_head(it, nqg, hi * nqg + r) * a.q_stride_h;
-        for (int d = 0; d < D; ++d) dst[size_t(d) * BR] = q_at(off + d) * qmul;
+        for (int d0 = 0; d0 < Dp; d0 += 16) {
+          V rows[16];
+          for (int i = 0; i < 16; ++i) rows[i] = off[i] < 0 ? vzero() : load_q16(off[i] + d0, std::min(16, D - d0)) * qmul;
+          transpose16(rows);
+          for (int d = 0; d < 16; ++d) vstore(dst + size_t(d0 + d) * BR, rows[d]);
+        }
       }
     init_rows(heads * nqp, s);
+  }
+
+  // n (<= 16) query elements from element i as fp32, zeros beyond.
+  V load_q16(int64_t i, int n) const {
+    if (a.q_dtype == 0) return load16(static_cast<const float*>(a.q) + i, n);
+    if (a.q_dtype == 1) return load16(static_cast<const BF16*>(a.q) + i, n);
+    return load16(static_cast<const F16*>(a.q) + i, n);
   }
 
   // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off).
