@@ -63,13 +63,13 @@ def cache_dir() -> Path:
     return Path(base) / "ladle" / "kernels"
 
 
-def _compile(cxx: str, flags: list[str], out: Path) -> None:
+def _compile(cxx: str, flags: list[str], out: Path, source: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     src = Path(tmp).with_suffix(".cpp")
     try:
-        src.write_text(SOURCE)
+        src.write_text(source)
         cmd = [cxx, *flags, str(src), "-o", tmp]
         result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
@@ -88,20 +88,22 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> tuple[ctypes.CDLL, Path]:
+def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None,
+                  source: str = SOURCE) -> tuple[ctypes.CDLL, Path]:
     """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
-    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path)."""
+    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path; or another
+    revision's source, to compare)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     flags = [*BASE_FLAGS, *arch_flags, f"-DLADLE_TILE={TILE}"]
-    key = hashlib.sha256("\0".join([SOURCE, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
     path = (directory or cache_dir()) / f"libladle_attention_{key[:20]}.so"
     if not path.exists():
         start = time.perf_counter()
         log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
-        _compile(cxx, flags, path)
+        _compile(cxx, flags, path, source)
         _state["build_seconds"] = time.perf_counter() - start
         log.info("built %s in %.1f s", path, _state["build_seconds"])
     return _open(path), path
