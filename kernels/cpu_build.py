@@ -99,11 +99,16 @@ def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | Non
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     flags = [*BASE_FLAGS, *arch_flags, f"-DLADLE_TILE={TILE}"]
     key = hashlib.sha256("\0".join([source, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
-    path = (directory or cache_dir()) / f"libladle_attention_{key[:20]}.so"
+    name = f"libladle_attention_{key[:20]}.so"
+    path = (directory or cache_dir()) / name
     if not path.exists():
         start = time.perf_counter()
         log.info("building the CPU attention kernel with %s %s", cxx, " ".join(flags))
-        _compile(cxx, flags, path, source)
+        try:
+            _compile(cxx, flags, path, source)
+        except OSError:  # an unwritable cache directory: build into a private temporary one instead
+            path = Path(tempfile.mkdtemp(prefix="ladle-kernels-")) / name
+            _compile(cxx, flags, path, source)
         _state["build_seconds"] = time.perf_counter() - start
         log.info("built %s in %.1f s", path, _state["build_seconds"])
     return _open(path), path

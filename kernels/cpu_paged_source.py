@@ -495,7 +495,6 @@ struct Scratch {
 
 inline int round16(int d) { return (d + 15) / 16 * 16; }
 
-// ---------------------------------------------------------------- micro-kernels
 // ---------------------------------------------------------------- scores
 // The score of query row r and key j, whichever layout computes it:
 //   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
