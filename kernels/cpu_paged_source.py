@@ -21,7 +21,6 @@ SOURCE = r"""
 #include <tuple>
 #include <utility>
 #include <vector>
-#include <omp.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif

@@ -241,8 +241,8 @@ def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
         return outs
 
     native = outputs()
-    for name, flags in {"avx2": ["-march=native", "-mno-avx512f"],
-                        "generic": ["-march=native", "-mno-avx512f", "-mno-avx2"]}.items():
+    for name, flags in {"avx2": ["-march=native", "-fopenmp", "-mno-avx512f"],
+                        "generic": ["-march=native", "-fopenmp", "-mno-avx512f", "-mno-avx2"]}.items():
         lib, _ = cpu_build.build_library(flags, tmp_path)
         assert lib.ladle_attention_isa().decode() == name
         monkeypatch.setattr("kernels.cpu_paged.load_library", lambda lib=lib: lib)
