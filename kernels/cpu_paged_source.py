@@ -415,8 +415,11 @@ struct Prefetcher {
   const int64_t* off = nullptr;  // element offsets of the keys' rows
   int64_t es = 4;
   int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
+  int x = 0, unit = 8;  // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
   void clear() { j = end = 0; }
-  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int ks, int ke) {
+  // Rows of `bytes` (one head's, or all heads' of a key: a whole cache row) of the keys [ks, ke).
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks,
+            int ke) {
     k = kc;
     v = vc;
     off = o;
@@ -424,19 +427,29 @@ struct Prefetcher {
     j = ks;
     end = ke;
     row_bytes = bytes;
+    x = 0;
+    unit = 2 * ((head_bytes + 63) / 64);
   }
-  // The K and V rows of the next n keys.
+  // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
-    for (; n > 0 && j < end; --n, ++j) {
+    for (int lines = n * unit; lines > 0 && j < end;) {
       const char* kr = k + off[j] * es;
       const char* vr = v + off[j] * es;
-      for (int x = 0; x < row_bytes; x += 64) {
+      const int stop = std::min(row_bytes, x + 32 * lines);  // 64-byte lines, K and V: 2 per step
+      lines -= (stop - x + 63) / 64 * 2;
+      for (; x < stop; x += 64) {
         __builtin_prefetch(kr + x, 0, 3);
         __builtin_prefetch(vr + x, 0, 3);
       }
+      if (x >= row_bytes) {
+        x = 0;
+        ++j;
+      }
     }
   }
-  void flush() { issue(TILE); }
+  void flush() {
+    while (j < end) issue(TILE);
+  }
 };
 
 // ---------------------------------------------------------------- arguments
@@ -733,7 +746,15 @@ struct Kernel {
   void plan_prefetch(const int64_t* off, int ks, int ke, int h, Prefetcher& pf) const {
     const int64_t es = sizeof(KT), hoff = int64_t(h) * D * es;
     pf.plan(static_cast<const char*>(a.k_cache) + hoff, static_cast<const char*>(a.v_cache) + hoff, off, es,
-            int(D * es), ks, ke);
+            int(D * es), int(D * es), ks, ke);
+  }
+
+  // The whole cache rows (every KV head) of those keys: for items that take all heads of a sequence,
+  // read in address order (each block's rows are contiguous), spread over the heads' computations.
+  void plan_prefetch_rows(const int64_t* off, int ks, int ke, Prefetcher& pf) const {
+    const int64_t es = sizeof(KT);
+    pf.plan(static_cast<const char*>(a.k_cache), static_cast<const char*>(a.v_cache), off, es,
+            int(a.num_kv_heads * D * es), int(D * es), ks, ke);
   }
 
   // Key j's value row (head at element hoff): the cache itself (fp32) or s.vc (converted).
@@ -952,11 +973,17 @@ struct Kernel {
     return load16(static_cast<const F16*>(a.q) + i, n);
   }
 
-  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off).
+  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). `rows`: the
+  // next tile's whole rows are planned by the caller (flushed after the last head).
   void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
-                 int r0, int n, Scratch& s) const {
-    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
-    else s.pf.clear();
+                 int r0, int n, bool rows, Scratch& s) const {
+    if (rows) {
+      // planned in run()
+    } else if (ns < ne) {
+      plan_prefetch(next_off, ns, ne, h, s.pf);
+    } else {
+      s.pf.clear();
+    }
     const KT* krow[TILE];
     tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
     qk_rowwise_n<KT>(s.qp.data() + size_t(r0) * Dp, Dp, n, krow, ks, ke, D, s.p.data() + size_t(r0) * TILE, s.pf);
@@ -983,7 +1010,7 @@ struct Kernel {
                nullptr, nullptr, s.vrow.data(), s.jlo[r], s.jhi[r], D, g, false);
       r += g;
     }
-    s.pf.flush();
+    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
   }
 
   // Blocked path: one KV head's rows (nqg, from padded row p0) against one tile, block by block: scores,
@@ -1033,6 +1060,7 @@ struct Kernel {
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
     const bool blocked = nqg > ROWWISE_MAX;
+    const bool rows = !blocked && heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
@@ -1054,9 +1082,11 @@ struct Kernel {
         std::tie(ns, ne) = keys(t0 + TILE);
         tile_offsets(bt, t0 + TILE, ns, ne, off[cur ^ 1]);
       }
+      if (rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
+      else if (rows) s.pf.clear();
       for (int h = it.h0; h < it.h1; ++h) {
         if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, s);
-        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, s);
+        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, rows, s);
       }
     }
     for (int hi = 0; hi < heads; ++hi)
