@@ -1,28 +1,36 @@
-"""CPU attention op: the C++ paged kernel (cpu_paged) against the torch reference, alternated.
+"""CPU attention op: the C++ paged kernel (cpu_paged) against the torch reference, or against another
+revision's kernel (--baseline), alternated.
 
 Decode batches (one query per sequence) at several contexts, and one prefill chunk at several
 contexts, on a paged cache (block 16, blocks scattered), fp32, at 1 and 2 threads. Each case times
-both backends in turn (the order rotates every repeat) and reports the median milliseconds per call
-(the call includes writing the new keys/values into the cache, as in a forward), the speedup, and a
-bound: decode against the bytes it must read (visible K/V) at the bandwidth measured here by a large
-`torch.sum` at the same thread count, prefill against its attention FLOPs (4 x visible query-key pairs
-x head dim x heads).
+both in turn (the order rotates every repeat) and reports the median (and best) milliseconds per call
+(a call includes writing the new keys/values into the cache and building the step's metadata, as in a
+forward), the speedup of the medians, and a bound: decode against the bytes it must read (visible K/V)
+at the bandwidth measured here by a large `torch.sum` at the same thread count, prefill as GFLOP/s of
+its attention FLOPs (4 x visible query-key pairs x head dim x heads).
+
+--baseline REV builds kernels/cpu_paged_source.py as of git revision REV (same compiler and flags) in
+place of the torch reference, and says whether both kernels gave the same bits. --workload is the shape
+of the issue-21 model (16 heads / 8 KV heads x 64) with its prefill chunks (512 queries at contexts 0,
+512, 1536) and a 32-sequence decode. --clock cpu times the calling thread's CPU time (1 thread only:
+less sensitive to other jobs on a shared machine than wall time).
 
     .venv/bin/python benchmarks/attention_cpu.py [--quick] [--threads-list 1,2] [--heads 8 --kv-heads 2 --head-dim 64]
+    .venv/bin/python benchmarks/attention_cpu.py --workload --baseline HEAD~3 --threads-list 1 --clock cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 
 import benchutil as bu
 import torch
 
-from kernels import AttentionMetadata, reference_attention
-from kernels.cpu_build import build_info
-from kernels.cpu_paged import cpu_paged_attention
+from kernels import AttentionMetadata, cpu_paged, reference_attention
+from kernels.cpu_build import ARCH_FLAGS, build_info, build_library, load_library
 
 BLOCK = 16
 
@@ -44,11 +52,11 @@ def make_case(query_lens: list[int], contexts: list[int], heads: int, kv_heads: 
     return q, k, v, cache, (query_lens, seq_lens, tables)
 
 
-def time_calls(fn, n: int) -> float:
-    start = time.perf_counter()
+def time_calls(fn, n: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - start) / n * 1e3
+    return (clock() - start) / n * 1e3
 
 
 def bandwidth_gbs(repeats: int = 5) -> float:
@@ -58,34 +66,63 @@ def bandwidth_gbs(repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e6
 
 
-def run_case(kind: str, batch: int, query_len: int, context: int, args, gen, bw: float) -> list:
+def baseline_kernel(rev: str):
+    """The kernel as of git revision `rev`, built with the default build's flags."""
+    source = subprocess.run(["git", "show", f"{rev}:kernels/cpu_paged_source.py"], cwd=bu.REPO, check=True,
+                            capture_output=True, text=True).stdout
+    scope: dict = {}
+    exec(compile(source, f"{rev}:kernels/cpu_paged_source.py", "exec"), scope)  # noqa: S102 - our own file
+    return build_library(ARCH_FLAGS[0], source=scope["SOURCE"])[0]
+
+
+def attention_fns(baseline) -> dict:
+    """name -> attention function: the reference or the baseline kernel, then the current kernel."""
+    current = load_library()
+
+    def with_lib(lib):
+        def fn(*args, **kw):
+            cpu_paged.load_library = lambda: lib
+            return cpu_paged.cpu_paged_attention(*args, **kw)
+        return fn
+
+    first = ("torch", reference_attention) if baseline is None else ("baseline", with_lib(baseline))
+    return dict([first, ("cpu_paged", with_lib(current))])
+
+
+def run_case(kind: str, batch: int, query_len: int, context: int, args, gen, bw: float, fns: dict) -> list:
     q, k, v, cache, (qls, sls, tables) = make_case([query_len] * batch, [context] * batch, args.heads,
                                                     args.kv_heads, args.head_dim, gen)
     scale = args.head_dim**-0.5
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
-    def call(backend):
+    def call(name):
         # A fresh metadata per call, as every forward builds one: the per-forward plans are included.
         meta = AttentionMetadata.build(qls, sls, tables, BLOCK)
-        fn = reference_attention if backend == "torch" else cpu_paged_attention
-        return fn(q, k, v, cache, meta, scale=scale)
+        return fns[name](q, k, v, cache, meta, scale=scale)
 
-    for backend in ("torch", "cpu_paged"):
-        call(backend)
+    names = list(fns)
+    outs = {name: call(name) for name in names}
+    same = torch.equal(*outs.values())
     # Aim at ~0.2 s per timing.
-    once = max(time_calls(lambda: call("cpu_paged"), 1), time_calls(lambda: call("torch"), 1))
+    once = max(time_calls(lambda n=name: call(n), 1) for name in names)
     n = max(1, min(200, int(0.2 * 1e3 / max(once, 1e-3))))
-    times: dict[str, list[float]] = {"torch": [], "cpu_paged": []}
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.repeats):
-        order = ("torch", "cpu_paged") if r % 2 == 0 else ("cpu_paged", "torch")
-        for backend in order:
-            times[backend].append(time_calls(lambda b=backend: call(b), n))
-    ref_ms, ours_ms = statistics.median(times["torch"]), statistics.median(times["cpu_paged"])
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(time_calls(lambda m=name: call(m), n, clock))
+    ref_ms, ours_ms = statistics.median(times[names[0]]), statistics.median(times["cpu_paged"])
+    best = min(times["cpu_paged"])
     kv_bytes = batch * (context + query_len) * args.kv_heads * args.head_dim * 2 * 4
     pairs = batch * (query_len * context + query_len * (query_len + 1) // 2)
     gflop = 4 * pairs * args.heads * args.head_dim / 1e9
     bound = f"{kv_bytes / bw / 1e6:.2f} ms ({kv_bytes / 1e6:.0f} MB)" if kind == "decode" else ""
-    return [kind, batch, query_len, context, round(ref_ms, 3), round(ours_ms, 3), f"{ref_ms / ours_ms:.2f}x",
-            bound, f"{gflop / ours_ms * 1e3:.1f}"]
+    row = [kind, batch, query_len, context, f"{ref_ms:.3g}", f"{ours_ms:.3g} ({best:.3g})", f"{ref_ms / ours_ms:.2f}x",
+           bound]
+    if names[0] == "baseline":
+        row += [f"{gflop / ref_ms * 1e3:.1f}", f"{gflop / ours_ms * 1e3:.1f}", "yes" if same else "NO"]
+    else:
+        row += [f"{gflop / ours_ms * 1e3:.1f}"]
+    return row
 
 
 def main() -> None:
@@ -100,17 +137,28 @@ def main() -> None:
     p.add_argument("--chunks", default="128,512")
     p.add_argument("--chunk-contexts", default="0,2048,8192")
     p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")
+    p.add_argument("--workload", action="store_true",
+                   help="the issue-21 shapes: 16/8 heads x 64, chunks of 512 at 0/512/1536, decode 32 x 1024")
+    p.add_argument("--baseline", metavar="REV", help="compare with the kernel of this git revision, not torch")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.decode_batches, args.decode_contexts = 3, "1,32", "128,1024"
         args.chunks, args.chunk_contexts = "128", "0,2048"
+    if args.workload:
+        args.heads, args.kv_heads, args.head_dim = 16, 8, 64
+        args.decode_batches, args.decode_contexts, args.chunks, args.chunk_contexts = "32", "1024", "512", "0,512,1536"
     ints = lambda s: [int(x) for x in s.split(",")]
-    info = build_info()
-    print(f"kernel: {info}")
+    if args.clock == "cpu" and ints(args.threads_list) != [1]:
+        p.error("--clock cpu times one thread: use it with --threads-list 1")
+    fns = attention_fns(baseline_kernel(args.baseline) if args.baseline else None)
+    first = next(iter(fns))
+    print(f"kernel: {build_info()}")
     print(f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, fp32, block {BLOCK}; "
-          f"load average {bu.load_average()}")
-    headers = ["kind", "batch", "query len", "context", "torch ms", "cpu_paged ms", "speedup",
-               "bytes bound", "cpu_paged GFLOP/s"]
+          f"{args.clock} clock; load average {bu.load_average()}")
+    headers = ["kind", "batch", "query len", "context", f"{first} ms", "cpu_paged ms (best)", "speedup",
+               "bytes bound"]
+    headers += [f"{first} GFLOP/s", "cpu_paged GFLOP/s", "same bits"] if first == "baseline" else ["cpu_paged GFLOP/s"]
     for threads in ints(args.threads_list):
         torch.set_num_threads(threads)
         bw = bandwidth_gbs()
@@ -118,11 +166,11 @@ def main() -> None:
         rows = []
         for ctx in ints(args.decode_contexts):
             for batch in ints(args.decode_batches):
-                rows.append(run_case("decode", batch, 1, ctx, args, gen, bw))
+                rows.append(run_case("decode", batch, 1, ctx, args, gen, bw, fns))
                 print(rows[-1], flush=True)
         for ctx in ints(args.chunk_contexts):
             for chunk in ints(args.chunks):
-                rows.append(run_case("prefill", 1, chunk, ctx, args, gen, bw))
+                rows.append(run_case("prefill", 1, chunk, ctx, args, gen, bw, fns))
                 print(rows[-1], flush=True)
         print(f"\n### {threads} thread(s); torch.sum bandwidth {bw:.1f} GB/s\n")
         print(bu.markdown_table(headers, rows))

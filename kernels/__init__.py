@@ -1,4 +1,5 @@
-"""Attention kernels: the op every model layer calls, dispatched to Triton on CUDA or torch on CPU."""
+"""Attention kernels: the op every model layer calls, dispatched to Triton on CUDA, the C++ paged kernel on
+CPU (kernels/cpu_paged.py), or the torch reference (the oracle, and the fallback without a compiler)."""
 
 from kernels.dispatch import attention, get_backend, set_backend
 from kernels.metadata import AttentionMetadata

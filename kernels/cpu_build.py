@@ -1,9 +1,9 @@
 """Build the C++ CPU attention kernel once per machine and source, and load it with ctypes.
 
-The kernel is plain C++ (no torch headers, no pybind), so a build is one compiler call of a few
-seconds, and needs only a C++17 compiler with OpenMP (g++ or clang++; `CXX` picks another). It links
-the OpenMP runtime by its soname, `libgomp.so.1`, which torch's wheel already loaded: one runtime,
-one thread pool. The shared library is cached under `LADLE_KERNEL_CACHE` (default
+The kernel is plain C++ (no torch headers, no pybind, no ninja), so a build is one compiler call of
+about 4 s, and needs only a C++17 compiler (g++ or clang++; `CXX` picks another), with OpenMP for more
+than one thread. With GCC it links the OpenMP runtime by its soname, `libgomp.so.1`, which torch's
+wheel has already loaded: one runtime, one thread pool. The shared library is cached under `LADLE_KERNEL_CACHE` (default
 `~/.cache/ladle/kernels`) by a hash of the source, the compiler, its flags and the CPU's feature flags
 (it is built with -march=native), written to a temporary name and renamed, so concurrent first uses
 never load a half-written file. If anything fails, `load_library()` returns None, `build_error()` says
@@ -31,8 +31,10 @@ log = logging.getLogger("ladle.kernels")
 # Keys per tile. Part of the numerical contract: outputs are bitwise reproducible only between builds
 # with the same tile (and the same instruction set). LADLE_ATTENTION_TILE is for experiments only.
 TILE = int(os.environ.get("LADLE_ATTENTION_TILE", "32"))
-BASE_FLAGS = (*os.environ.get("LADLE_XFLAGS", "").split(), "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
-ARCH_FLAGS = (("-march=native",), ())  # tried in order: the second builds the portable generic path
+BASE_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off")
+# Tried in order. Without -march=native the portable path is built (same results where the CPU has
+# FMA and the build uses it; without, a*b+c rounds twice); without OpenMP the kernel runs on one thread.
+ARCH_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -88,10 +90,12 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> tuple[ctypes.CDLL, Path]:
+def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None,
+                  source: str = SOURCE) -> tuple[ctypes.CDLL, Path]:
     """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
-    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path)."""
-    path, seconds = compile_cached(SOURCE, "libladle_attention", [*arch_flags, f"-DLADLE_TILE={TILE}"], directory)
+    `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path; or another
+    revision's source, to compare)."""
+    path, seconds = compile_cached(source, "libladle_attention", [*arch_flags, f"-DLADLE_TILE={TILE}"], directory)
     if seconds is not None:
         _state["build_seconds"] = seconds
     return _open(path), path
@@ -101,20 +105,26 @@ def compile_cached(
     source: str, stem: str, flags: list[str], directory: Path | None = None
 ) -> tuple[Path, float | None]:
     """The shared library built from `source` with BASE_FLAGS + flags, under `directory` (default
-    cache_dir()), keyed by source, compiler, flags and CPU; (its path, build seconds or None if cached).
-    Shared by every C++ kernel library (kernels/cpu_fused.py builds a second one)."""
+    cache_dir(); a private temporary directory when that is unwritable), keyed by source, compiler,
+    flags and CPU; (its path, build seconds or None if cached). Shared by every C++ kernel library
+    (kernels/cpu_fused.py builds a second one)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     flags = [*BASE_FLAGS, *flags]
     key = hashlib.sha256("\0".join([source, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
-    path = (directory or cache_dir()) / f"{stem}_{key[:20]}.so"
+    name = f"{stem}_{key[:20]}.so"
+    path = (directory or cache_dir()) / name
     if path.exists():
         return path, None
     start = time.perf_counter()
     log.info("building %s with %s %s", stem, cxx, " ".join(flags))
-    _compile(cxx, flags, path, source)
+    try:
+        _compile(cxx, flags, path, source)
+    except OSError:  # an unwritable cache directory: build into a private temporary one instead
+        path = Path(tempfile.mkdtemp(prefix="ladle-kernels-")) / name
+        _compile(cxx, flags, path, source)
     seconds = time.perf_counter() - start
     log.info("built %s in %.1f s", path, seconds)
     return path, seconds

@@ -15,13 +15,21 @@ for every query row (a position times a query head of the KV head's group):
 - scores: for each of 16 lanes l, P_l = sum over c of q[16c + l] * k[16c + l], one fused multiply-add
   per c in increasing c; then s = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4},
   T_l = P_l + P_{l+8}. Few rows per KV head (decodes) compute this on the key rows in place (lanes over
-  dimensions, 16 scores reduced at once); many rows (prefill chunks) transpose the tile once and run
-  the same operations with lanes over keys: the same bits either way, without a transpose per
-  decode;
+  dimensions, 16 scores reduced at once). Many rows (prefill chunks) take the blocked path: the item's
+  queries are transposed once, in blocks of 48 rows, and each score micro-kernel runs the same
+  operations with lanes over 16 query rows, for 3 row vectors x 4 keys, every key element broadcast
+  (so both query heads of a GQA pair, and all positions of the block, share each key load); the tile's
+  keys and values are first copied into contiguous buffers (in the cache a head's rows are a whole
+  row apart and blocks a multiple of 4 KiB apart: they would evict each other from L1). The same bits
+  either way;
 - online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
   probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a
-  fixed lane tree, `l = l * alpha + tile_sum`;
-- values: `acc = acc * alpha`, then one fused multiply-add per visible key, in position order;
+  fixed lane tree, `l = l * alpha + tile_sum` (the blocked path: the same operations for 16 rows at once,
+  one lane per row, the lane tree as a tree of vectors; tiles every row of a block sees whole skip the
+  masks);
+- values: `acc = acc * alpha`, then one fused multiply-add per visible key, in position order (rows
+  that see different keys of a tile share the value loads: a masked fused multiply-add leaves a row's
+  accumulator untouched for the keys it does not see);
 and at the end `out = acc / l`.
 
 Determinism
@@ -45,9 +53,10 @@ from kernels.cpu_build import load_library
 from kernels.metadata import AttentionMetadata
 from kernels.reference import write_kv_cache
 
-# Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile
-# is transposed once per item, so more rows amortise it (96 measured ~10-15% faster than 32 at one
-# thread); the kernel halves it when a batch's chunks would give fewer than 4 items per thread.
+# Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile is
+# copied once per item, so more rows amortise it (96, two blocks of 48, measured ~5% faster than 48 and
+# as fast as 192 at one thread); the kernel halves it when a batch's chunks would give fewer than 4
+# items per thread.
 ROWS_PER_ITEM = 96
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -71,10 +80,11 @@ class _Args(ctypes.Structure):
 
 
 class _ForwardArgs:
-    """The metadata part of the arguments, filled once per forward and shared by every layer (in
-    meta.cache); it holds the int tensors it points into."""
+    """The arguments that do not change between the layers of a forward, filled once per forward (in
+    meta.cache): the metadata's pointers (it holds the int tensors they point into), plus per layer
+    shape (heads, dtypes, window, scale, soft-cap) a template the call copies and completes."""
 
-    __slots__ = ("args", "tensors")
+    __slots__ = ("base", "layers", "tensors")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         qsl = meta.query_start_loc.to(torch.int32).contiguous()
@@ -82,11 +92,26 @@ class _ForwardArgs:
         tables = meta.block_tables.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.tensors = (qsl, seq_lens, tables, slots)
-        a = self.args = _Args()
+        a = self.base = _Args()
         a.query_start_loc, a.seq_lens = qsl.data_ptr(), seq_lens.data_ptr()
         a.block_tables, a.bt_stride = tables.data_ptr(), tables.shape[1]
         a.slot_mapping = slots.data_ptr()
         a.num_seqs, a.num_tokens, a.block_size = meta.num_seqs, meta.num_tokens, meta.block_size
+        a.num_threads = torch.get_num_threads()
+        self.layers: dict[tuple, _Args] = {}
+
+    def layer(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None,
+              softcap: float | None) -> _Args:
+        key = (q.shape[1], q.shape[2], q.dtype, kv_cache.shape[-2], kv_cache.dtype, window, scale, softcap)
+        t = self.layers.get(key)
+        if t is None:
+            t = self.layers[key] = _Args.from_buffer_copy(self.base)
+            num_heads, num_kv = q.shape[1], kv_cache.shape[-2]
+            t.num_heads, t.num_kv_heads, t.head_dim = num_heads, num_kv, q.shape[2]
+            t.q_dtype, t.kv_dtype = _DTYPES[q.dtype], _DTYPES[kv_cache.dtype]
+            t.window, t.scale, t.softcap = window or 0, scale, softcap or 0.0
+            t.positions_per_item = max(1, ROWS_PER_ITEM // (num_heads // num_kv))
+        return _Args.from_buffer_copy(t)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -117,27 +142,19 @@ def cpu_paged_attention(
     forward = meta.cache.get("cpu_paged")
     if forward is None:
         forward = meta.cache["cpu_paged"] = _ForwardArgs(meta)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv = kv_cache.shape[-2]
-    a = _Args.from_buffer_copy(forward.args)
+    a = forward.layer(q, kv_cache, scale, sliding_window, softcap)
     if q.stride(-1) != 1:
         q = q.contiguous()
     a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32)
     a.out = out.data_ptr()
-    a.k_cache = kv_cache.data_ptr()
-    a.v_cache = kv_cache[1].data_ptr()
+    a.k_cache = base = kv_cache.data_ptr()
+    a.v_cache = base + kv_cache.stride(0) * kv_cache.element_size()
     if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
         a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
     else:  # a dtype conversion on the way into the cache: torch's rounding, as the reference does
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    a.num_heads, a.num_kv_heads, a.head_dim = num_heads, num_kv, head_dim
-    a.q_dtype, a.kv_dtype = _DTYPES[q.dtype], _DTYPES[kv_cache.dtype]
-    a.window = sliding_window or 0
-    a.scale, a.softcap = scale, softcap or 0.0
-    a.num_threads = torch.get_num_threads()
-    a.positions_per_item = max(1, ROWS_PER_ITEM // (num_heads // num_kv))
     code = lib.ladle_paged_attention(ctypes.addressof(a))
     if code != 0:
         raise RuntimeError(f"ladle_paged_attention rejected its arguments (code {code})")

@@ -17,11 +17,11 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
-#include <omp.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -29,25 +29,42 @@ SOURCE = r"""
 #ifndef LADLE_TILE
 #define LADLE_TILE 32
 #endif
-#ifndef LADLE_PACKED_ROWS  // measured: 6 with 32 registers of 16 lanes, 1 with 16 registers of 8
+// The blocked score micro-kernel: up to RV row vectors (16 query rows each) x KJ keys per call, two
+// sets of RV x KJ accumulators live (the upper levels of the score tree go through L1). Measured with
+// 32 registers of 16 lanes: 3 x 4 ~15% faster than 2 x 4, 2 x 2 ~30% slower.
+#ifndef LADLE_BLOCK_RV
 #if defined(__AVX512F__)
-#define LADLE_PACKED_ROWS 6
+#define LADLE_BLOCK_RV 3
+#define LADLE_BLOCK_KJ 4
 #else
-#define LADLE_PACKED_ROWS 1
+#define LADLE_BLOCK_RV 1
+#define LADLE_BLOCK_KJ 2
 #endif
 #endif
 #ifndef LADLE_ROWWISE_MAX
 #define LADLE_ROWWISE_MAX 4
 #endif
-// The packed score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
+// The score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
 #define LADLE_INLINE __attribute__((always_inline)) inline
+// Keep a loaded vector in a register: GCC otherwise folds the load into every FMA that uses it (one
+// load per FMA instead of one per KJ: the score micro-kernel measured ~2x slower).
+#if defined(__AVX512F__)
+#define LADLE_IN_REGISTER(v) asm("" : "+v"(v.x))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LADLE_IN_REGISTER(v) asm("" : "+x"(v.lo), "+x"(v.hi))
+#else
+#define LADLE_IN_REGISTER(v) (void)(v)
+#endif
 
 namespace {
 
 constexpr int TILE = LADLE_TILE;
 static_assert(TILE % 16 == 0 && TILE >= 16 && TILE <= 64, "TILE must be 16, 32, 48 or 64");
 constexpr int TV = TILE / 16;       // 16-lane vectors per tile row
-constexpr int PACKED_ROWS = LADLE_PACKED_ROWS;  // query rows per packed score micro-kernel
+constexpr int BR = 48;              // query rows per block of the blocked (prefill) path: 3 row vectors
+constexpr int RV = LADLE_BLOCK_RV;  // row vectors per blocked score micro-kernel
+constexpr int KJ = LADLE_BLOCK_KJ;  // keys per blocked score micro-kernel
+static_assert(RV >= 1 && RV <= 3, "LADLE_BLOCK_RV must be 1, 2 or 3");
 constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
 constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
@@ -71,6 +88,7 @@ inline V operator-(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
 inline V operator*(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
 inline V operator/(V a, V b) { return {_mm512_div_ps(a.x, b.x)}; }
 inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+inline V vfma_if(bool on, V a, V b, V c) { return {_mm512_mask3_fmadd_ps(a.x, b.x, c.x, on ? Mask(0xFFFF) : Mask(0))}; }
 inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
 inline V vmin(V a, V b) { return {_mm512_min_ps(a.x, b.x)}; }
 inline V vabs(V a) { return {_mm512_abs_ps(a.x)}; }
@@ -173,6 +191,7 @@ inline V operator-(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(
 inline V operator*(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V operator/(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V vfma_if(bool on, V a, V b, V c) { return on ? vfma(a, b, c) : c; }
 inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 inline V vabs(V a) {
@@ -281,6 +300,7 @@ inline V operator-(V a, V b) { LADLE_LANES(a.x[l] - b.x[l]); }
 inline V operator*(V a, V b) { LADLE_LANES(a.x[l] * b.x[l]); }
 inline V operator/(V a, V b) { LADLE_LANES(a.x[l] / b.x[l]); }
 inline V vfma(V a, V b, V c) { LADLE_LANES(fma1(a.x[l], b.x[l], c.x[l])); }
+inline V vfma_if(bool on, V a, V b, V c) { return on ? vfma(a, b, c) : c; }
 inline V vmax(V a, V b) { LADLE_LANES(a.x[l] > b.x[l] ? a.x[l] : b.x[l]); }
 inline V vmin(V a, V b) { LADLE_LANES(a.x[l] < b.x[l] ? a.x[l] : b.x[l]); }
 inline V vabs(V a) { LADLE_LANES(std::fabs(a.x[l])); }
@@ -309,6 +329,10 @@ inline Mask lanes_in(int lo, int hi) {
   return m;
 }
 inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
+inline void transpose16(V* r) {
+  for (int i = 0; i < 16; ++i)
+    for (int j = i + 1; j < 16; ++j) std::swap(r[i].x[j], r[j].x[i]);
+}
 #define LADLE_ISA "generic"
 #endif
 
@@ -391,8 +415,11 @@ struct Prefetcher {
   const int64_t* off = nullptr;  // element offsets of the keys' rows
   int64_t es = 4;
   int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
+  int x = 0, unit = 8;  // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
   void clear() { j = end = 0; }
-  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int ks, int ke) {
+  // Rows of `bytes` (one head's, or all heads' of a key: a whole cache row) of the keys [ks, ke).
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks,
+            int ke) {
     k = kc;
     v = vc;
     off = o;
@@ -400,19 +427,29 @@ struct Prefetcher {
     j = ks;
     end = ke;
     row_bytes = bytes;
+    x = 0;
+    unit = 2 * ((head_bytes + 63) / 64);
   }
-  // The K and V rows of the next n keys.
+  // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
-    for (; n > 0 && j < end; --n, ++j) {
+    for (int lines = n * unit; lines > 0 && j < end;) {
       const char* kr = k + off[j] * es;
       const char* vr = v + off[j] * es;
-      for (int x = 0; x < row_bytes; x += 64) {
+      const int stop = std::min(row_bytes, x + 32 * lines);  // 64-byte lines, K and V: 2 per step
+      lines -= (stop - x + 63) / 64 * 2;
+      for (; x < stop; x += 64) {
         __builtin_prefetch(kr + x, 0, 3);
         __builtin_prefetch(vr + x, 0, 3);
       }
+      if (x >= row_bytes) {
+        x = 0;
+        ++j;
+      }
     }
   }
-  void flush() { issue(TILE); }
+  void flush() {
+    while (j < end) issue(TILE);
+  }
 };
 
 // ---------------------------------------------------------------- arguments
@@ -442,15 +479,36 @@ struct Item {
   int64_t cost;
 };
 
+// Cache-line aligned storage: a 16-lane vector load or store that straddles two lines costs two (the
+// scratch rows are read and written whole; measured +8% on a tile loop in L1, +2-5% on prefill chunks).
+template <class T>
+struct Aligned {
+  using value_type = T;
+  Aligned() = default;
+  template <class U>
+  Aligned(const Aligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const Aligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned<U>&) const { return false; }
+};
+using Floats = std::vector<float, Aligned<float>>;
+
 struct Scratch {
-  std::vector<float> qp, kt, vc, p, acc, m, l, alpha;
+  Floats qp, qt, kc, zero, st, vc, p, acc, m, l, alpha, pos;
   std::vector<const float*> vrow;
-  std::vector<int32_t> jlo, jhi;
+  std::vector<int32_t> jlo, jhi, ipos;
   Prefetcher pf;
+  // rows: the item's rows (padded to whole blocks on the blocked path).
   void ensure(int rows, int dp) {
     auto grow = [](auto& v, size_t n) { if (v.size() < n) v.resize(n); };
     grow(qp, size_t(rows) * dp);
-    grow(kt, size_t(dp) * TILE);
+    grow(qt, size_t(rows) * dp);
+    grow(kc, size_t(TILE) * dp);
+    if (zero.size() < size_t(dp)) zero.assign(dp, 0.0f);
+    grow(st, size_t(TILE + KJ) * BR);
     grow(vc, size_t(TILE) * dp);
     grow(p, size_t(rows) * TILE);
     grow(acc, size_t(rows) * dp);
@@ -460,19 +518,22 @@ struct Scratch {
     grow(vrow, TILE);
     grow(jlo, rows);
     grow(jhi, rows);
+    grow(pos, rows);
+    grow(ipos, rows);
   }
 };
 
 inline int round16(int d) { return (d + 15) / 16 * 16; }
 
-// ---------------------------------------------------------------- micro-kernels
 // ---------------------------------------------------------------- scores
 // The score of query row r and key j, whichever layout computes it:
 //   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
 //         per c in increasing c (dimensions past head_dim are zeros);
 //   s   = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4}, T_l = P_l + P_{l+8} (vhsum's tree).
-// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; packed (many
-// rows: prefill chunks) transposes the tile once, lanes over keys. Same operations, same bits.
+// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; blocked (many
+// rows: prefill chunks) runs lanes over query rows: the block's queries are transposed once per work
+// item, the tile's key rows copied into a contiguous buffer, and each key element is broadcast to 16
+// rows. Same operations, same bits.
 
 // Row-wise: N rows against the keys [ks, ke) at krow; 16 (row, key) partial vectors at a time are
 // reduced together (fold16) and scattered to s [N][TILE].
@@ -516,109 +577,150 @@ inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* kro
   }
 }
 
-// Packed: R rows x TILE keys of the transposed tile kt [Dp][TILE]; the tree evaluated depth first.
-template <int R>
-struct PackedQK {
-  const float* qp;
-  int dp;
-  const float* kt;
+// Blocked: R row vectors (16 rows each, transposed queries qt [Dp][BR]) x KJ key rows (Dp floats each,
+// NC 16-lane chunks: a compile-time count for the common head dims, else nc). Each T_l = P_l + P_{l+8}
+// is computed in registers and kept in L1, then the upper tree. Scores land key by key: key k's 16 R
+// lanes at st + k * BR.
+template <int R, int NC>
+struct BlockQK {
+  const float* qt;
+  const float* const* krow;
   int nc;
-  Prefetcher& pf;
 
-  LADLE_INLINE void partial(int l, V (&out)[R][TV]) const {
+  LADLE_INLINE void partial(int l, V (&out)[R][KJ]) const {
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < TV; ++v) out[r][v] = vzero();
-    for (int c = 0; c < nc; ++c) {
-      const float* krow = kt + size_t(16 * c + l) * TILE;
-      V kv[TV];
-      for (int v = 0; v < TV; ++v) kv[v] = vload(krow + 16 * v);
+      for (int k = 0; k < KJ; ++k) out[r][k] = vzero();
+    const int n = NC ? NC : nc;
+    for (int c = 0; c < n; ++c) {
+      const int d = 16 * c + l;
+      V kb[KJ];
+      for (int k = 0; k < KJ; ++k) kb[k] = vset(krow[k][d]);
       for (int r = 0; r < R; ++r) {
-        const V qb = vset(qp[size_t(r) * dp + 16 * c + l]);
-        for (int v = 0; v < TV; ++v) out[r][v] = vfma(qb, kv[v], out[r][v]);
+        V qv = vload(qt + size_t(d) * BR + 16 * r);
+        LADLE_IN_REGISTER(qv);
+        for (int k = 0; k < KJ; ++k) out[r][k] = vfma(qv, kb[k], out[r][k]);
       }
     }
   }
-  // H = 8: T_l; 4: U_l; 2: W_l; 1: s.
-  template <int H>
-  LADLE_INLINE void node(int l, V (&out)[R][TV]) const {
-    V b[R][TV];
-    if constexpr (H == 8) {
-      partial(l, out);
-      partial(l + 8, b);
-    } else {
-      node<2 * H>(l, out);
-      node<2 * H>(l + H, b);
+  inline void run(float* st) const {
+    alignas(64) float t[8][R][KJ][16];
+    for (int l = 0; l < 8; ++l) {
+      V x[R][KJ], y[R][KJ];
+      partial(l, x);
+      partial(l + 8, y);
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < KJ; ++k) vstore(t[l][r][k], x[r][k] + y[r][k]);
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < TV; ++v) out[r][v] = out[r][v] + b[r][v];
-  }
-  inline void run(float* s) const {
-    V out[R][TV];
-    node<1>(0, out);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < TV; ++v) vstore(s + size_t(r) * TILE + 16 * v, out[r][v]);
+      for (int k = 0; k < KJ; ++k) {
+        V u[8];
+        for (int l = 0; l < 8; ++l) u[l] = vload(t[l][r][k]);
+        for (int h = 4; h >= 1; h /= 2)  // U_l, W_l, s
+          for (int l = 0; l < h; ++l) u[l] = u[l] + u[l + h];
+        vstore(st + size_t(k) * BR + 16 * r, u[0]);
+      }
   }
 };
 
-template <int R = PACKED_ROWS>
-inline void qk_packed_n(const float* qp, int dp, int rows, const float* kt, int nc, float* s, Prefetcher& pf) {
-  if constexpr (R >= 1) {
-    if (rows == R) return PackedQK<R>{qp, dp, kt, nc, pf}.run(s);
-    return qk_packed_n<R - 1>(qp, dp, rows, kt, nc, s, pf);
+template <int NC>
+inline void qk_block_nc(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
+                        Prefetcher& pf) {
+  for (int v = 0; v < nv; v += RV) {
+    const float* q = qt + 16 * v;
+    float* out = st + 16 * v;
+    const int r = std::min(RV, nv - v);
+    for (int j = jlo; j < jhi; j += KJ, pf.issue(KJ)) {
+      if (RV >= 3 && r == 3) BlockQK<3, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
+      else if (RV >= 2 && r == 2) BlockQK<2, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
+      else BlockQK<1, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
+    }
   }
 }
 
-inline void qk_packed(const float* qp, int dp, int rows, const float* kt, int d_len, float* s,
-                                Prefetcher& pf) {
-  const int nc = (d_len + 15) / 16;
-  for (int r = 0; r < rows; r += PACKED_ROWS, pf.issue(1)) {
-    const int n = std::min(PACKED_ROWS, rows - r);
-    qk_packed_n(qp + size_t(r) * dp, dp, n, kt, nc, s + size_t(r) * TILE, pf);
-  }
+// Scores of the first nv row vectors of a block against the keys [jlo, jhi) (KJ at a time: krow must
+// hold valid rows up to jhi rounded up to KJ).
+inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
+                     Prefetcher& pf) {
+  if (nc == 4) return qk_block_nc<4>(qt, nv, krow, jlo, jhi, nc, st, pf);
+  if (nc == 8) return qk_block_nc<8>(qt, nv, krow, jlo, jhi, nc, st, pf);
+  qk_block_nc<0>(qt, nv, krow, jlo, jhi, nc, st, pf);
 }
 
-// acc[r] = acc[r] * alpha[r], then acc[r] += p[r][j] * v[j] for j in [jlo, jhi) in order, over the
-// output lanes [d0, d0 + 16 * C) (or the last `tail` lanes when TAIL).
-template <int R, int C, bool TAIL>
-inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
-                    int jlo, int jhi, int d0, int tail, Prefetcher& pf) {
+// ---------------------------------------------------------------- values
+// acc[r] = acc[r] * alpha[r], then acc[r] += p(r, j) * v[j] for j in [jlo, jhi) in order, over the output
+// lanes [d0, d0 + 16 * C) (or the last `tail` lanes when TAIL); p(r, j) = p[j * BR + r] (PT: a block's
+// transposed probabilities) or p[r * TILE + j]. MASKED:
+// row r only takes the keys [lo[r], hi[r]) (a masked fused multiply-add leaves the others untouched),
+// so rows that see different keys of a tile still share the value loads.
+template <bool PT, int R, int C, bool TAIL, bool MASKED>
+inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
+                    const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d0, int tail) {
   V a[R][C];
   for (int r = 0; r < R; ++r) {
     const V al = vset(alpha[r]);
     for (int c = 0; c < C; ++c) a[r][c] = vload(acc + size_t(r) * dp + d0 + 16 * c) * al;
   }
-  for (int j = jlo; j < jhi; ++j) {
-    const float* vr = vrow[j] + d0;
-    V vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const V pb = vset(p[size_t(r) * TILE + j]);
-      for (int c = 0; c < C; ++c) a[r][c] = vfma(pb, vv[c], a[r][c]);
+  auto keys = [&](int j0, int j1, auto masked) {
+    for (int j = j0; j < j1; ++j) {
+      const float* vr = vrow[j] + d0;
+      V vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = TAIL ? vload_n(vr, tail) : vload(vr + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const V pb = vset(PT ? p[size_t(j) * BR + r] : p[size_t(r) * TILE + j]);
+        if constexpr (decltype(masked)::value) {
+          const bool on = j >= lo[r] && j < hi[r];
+          for (int c = 0; c < C; ++c) a[r][c] = vfma_if(on, pb, vv[c], a[r][c]);
+        } else {
+          for (int c = 0; c < C; ++c) a[r][c] = vfma(pb, vv[c], a[r][c]);
+        }
+      }
     }
+  };
+  if constexpr (MASKED) {
+    // Keys every row sees go unmasked; only the ends of the range (the rows' differences) are masked.
+    // A row that sees no key here makes the middle empty (its lo >= its hi).
+    int lo_max = jlo, hi_min = jhi;
+    for (int r = 0; r < R; ++r) {
+      lo_max = std::max(lo_max, lo[r]);
+      hi_min = std::min(hi_min, hi[r]);
+    }
+    lo_max = std::min(lo_max, jhi);
+    hi_min = std::max(hi_min, lo_max);
+    keys(jlo, lo_max, std::true_type{});
+    keys(lo_max, hi_min, std::false_type{});
+    keys(hi_min, jhi, std::true_type{});
+  } else {
+    keys(jlo, jhi, std::false_type{});
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) vstore(acc + size_t(r) * dp + d0 + 16 * c, a[r][c]);
 }
 
-template <int R>
-inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
-                       int jlo, int jhi, int d_len, Prefetcher& pf) {
+template <bool PT, int R, bool MASKED>
+inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
+                       const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d_len) {
   const int full = d_len / 16, tail = d_len % 16;
   int c = 0;
   for (; c + PV_COLS <= full; c += PV_COLS)
-    pv_rows<R, PV_COLS, false>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * c, 0, pf);
-  for (; c < full; ++c) pv_rows<R, 1, false>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * c, 0, pf);
-  if (tail) pv_rows<R, 1, true>(acc, dp, p, alpha, vrow, jlo, jhi, 16 * full, tail, pf);
+    pv_rows<PT, R, PV_COLS, false, MASKED>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, 16 * c, 0);
+  for (; c < full; ++c) pv_rows<PT, R, 1, false, MASKED>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, 16 * c, 0);
+  if (tail) pv_rows<PT, R, 1, true, MASKED>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, 16 * full, tail);
 }
 
-inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const float* const* vrow,
-                     int jlo, int jhi, int d_len, int rows, Prefetcher& pf) {
+// `rows` (1..PV_ROWS) rows against the keys [jlo, jhi); masked by lo/hi when `masked`.
+template <bool PT>
+inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
+                     const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d_len, int rows, bool masked) {
+#define LADLE_PV(R)                                                                               \
+  return masked ? pv_group_r<PT, R, true>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, d_len) \
+                : pv_group_r<PT, R, false>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, d_len)
   switch (rows) {
-    case 1: return pv_group_r<1>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
-    case 2: return pv_group_r<2>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
-    case 3: return pv_group_r<3>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
-    default: return pv_group_r<4>(acc, dp, p, alpha, vrow, jlo, jhi, d_len, pf);
+    case 1: LADLE_PV(1);
+    case 2: LADLE_PV(2);
+    case 3: LADLE_PV(3);
+    default: LADLE_PV(4);
   }
+#undef LADLE_PV
 }
 
 // ---------------------------------------------------------------- one work item
@@ -644,51 +746,74 @@ struct Kernel {
   void plan_prefetch(const int64_t* off, int ks, int ke, int h, Prefetcher& pf) const {
     const int64_t es = sizeof(KT), hoff = int64_t(h) * D * es;
     pf.plan(static_cast<const char*>(a.k_cache) + hoff, static_cast<const char*>(a.v_cache) + hoff, off, es,
-            int(D * es), ks, ke);
+            int(D * es), int(D * es), ks, ke);
+  }
+
+  // The whole cache rows (every KV head) of those keys: for items that take all heads of a sequence,
+  // read in address order (each block's rows are contiguous), spread over the heads' computations.
+  void plan_prefetch_rows(const int64_t* off, int ks, int ke, Prefetcher& pf) const {
+    const int64_t es = sizeof(KT);
+    pf.plan(static_cast<const char*>(a.k_cache), static_cast<const char*>(a.v_cache), off, es,
+            int(a.num_kv_heads * D * es), int(D * es), ks, ke);
+  }
+
+  // Key j's value row (head at element hoff): the cache itself (fp32) or s.vc (converted).
+  void value_row(const int64_t* off, int64_t hoff, int j, Scratch& s) const {
+    const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
+    if constexpr (std::is_same_v<KT, float>) {
+      s.vrow[j] = vc + off[j];
+    } else {
+      float* dst = s.vc.data() + size_t(j) * Dp;
+      for (int d = 0; d < D; ++d) dst[d] = to_f32(vc[off[j] + d]);
+      s.vrow[j] = dst;
+    }
   }
 
   // Row pointers of the keys [ks, ke) of a tile (rows at off, head at element hoff) into krow (null
-  // elsewhere), and of their values into s.vrow: the cache itself (fp32) or s.vc (converted).
+  // elsewhere), and of their values into s.vrow.
   void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
-    const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     for (int j = 0; j < TILE; ++j) {
       krow[j] = nullptr;
       if (j < ks || j >= ke) continue;
       krow[j] = kc + off[j];
-      if constexpr (std::is_same_v<KT, float>) {
-        s.vrow[j] = vc + off[j];
-      } else {
-        float* dst = s.vc.data() + size_t(j) * Dp;
-        for (int d = 0; d < D; ++d) dst[d] = to_f32(vc[off[j] + d]);
-        s.vrow[j] = dst;
-      }
+      value_row(off, hoff, j, s);
     }
   }
 
-  // The tile's keys transposed into kt [Dp][TILE], zeros for absent keys and past head_dim.
-  void pack_tile(const KT* const* krow, int ks, int ke, Scratch& s) const {
-    float* kt = s.kt.data();
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    for (int g = 0; g < TV; ++g) {
-      const bool any = ks < 16 * g + 16 && ke > 16 * g;
-      for (int d0 = 0; d0 < Dp; d0 += 16) {
-        const int n = std::min(16, D - d0);
-        V rows[16];
-        for (int i = 0; i < 16; ++i) {
-          const KT* src = krow[16 * g + i];
-          rows[i] = any && src ? load16(src + d0, n) : vzero();
-        }
-        s.pf.issue(1);
-        if (any) transpose16(rows);
-        for (int dd = 0; dd < 16; ++dd) vstore(kt + size_t(d0 + dd) * TILE + 16 * g, rows[dd]);
-      }
+  // The blocked path's key and value rows, copied (as fp32, zero-padded to Dp) into contiguous tiles
+  // s.kc and s.vc: in the cache, one head's rows are num_kv_heads * head_dim apart and blocks are
+  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other (~2x slower
+  // values in place). krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the micro-kernel's
+  // overrun).
+  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, const float** krow, Scratch& s) const {
+    const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
+    const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
+    for (int j = 0; j < TILE + KJ; ++j) {
+      krow[j] = s.zero.data();
+      if (j < ks || j >= ke) continue;
+      float* kd = s.kc.data() + size_t(j) * Dp;
+      float* vd = s.vc.data() + size_t(j) * Dp;
+      copy_row(kc + off[j], kd);
+      copy_row(vc + off[j], vd);
+      krow[j] = kd;
+      s.vrow[j] = vd;
     }
-#else
-    for (int d = 0; d < Dp; ++d)
-      for (int j = 0; j < TILE; ++j) kt[size_t(d) * TILE + j] = krow[j] && d < D ? to_f32(krow[j][d]) : 0.0f;
-#endif
   }
+
+  // head_dim elements as fp32, zeros up to Dp.
+  void copy_row(const KT* src, float* dst) const {
+    int d = 0;
+    if constexpr (std::is_same_v<KT, float>) {
+      for (; d + 16 <= D; d += 16) vstore(dst + d, vload(src + d));
+    }
+    for (; d < D; ++d) dst[d] = to_f32(src[d]);
+    for (; d < Dp; ++d) dst[d] = 0.0f;
+  }
+
+  // Row r's visible keys in the tile at t0, [lo, hi) (empty when lo >= hi): a function of its position.
+  int visible_lo(int pos, int t0) const { return std::max(a.window > 0 ? pos - a.window + 1 : 0, t0) - t0; }
+  int visible_hi(int pos, int t0) const { return std::min(pos + 1, t0 + TILE) - t0; }
 
   // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
   // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
@@ -724,50 +849,147 @@ struct Kernel {
     s.alpha[r] = alpha;
   }
 
+  // The same fold for the 16 rows (lanes) of row vector v of a block at padded row `base`, on the
+  // scores st (key j's lanes at st + j * BR) of the block's keys [jlo, jhi); each lane's visible keys
+  // from its position (s.pos; padded rows see none). `full`: every row sees every key of the tile
+  // (no masks). The same operations, lane by lane, as softmax_row; the tile's sum of probabilities per
+  // row is vhsum's tree over its 16 lanes of (0 + p[lane]) + p[16 + lane] + ..., here a tree of
+  // vectors (terms that are 0 there are left out here: adding +0 to a sum of non-negative terms is exact).
+  void softmax_block(int v, int base, int t0, int jlo, int jhi, bool full, Scratch& s) const {
+    float* col = s.st.data() + 16 * v;
+    const V pos = vload(s.pos.data() + base), t0v = vset(float(t0));
+    const V lo_v = (a.window > 0 ? vmax(pos - vset(float(a.window - 1)), t0v) : t0v) - t0v;
+    const V hi_v = vmin(pos + vset(1.0f), vset(float(t0 + TILE))) - t0v;
+    auto visible = [&](int j) {
+      const V jv = vset(float(j));
+      return full ? Mask(0xFFFF) : Mask(vlt(jv, hi_v) & ~vlt(jv, lo_v));
+    };
+    V mx = vset(kNegInf);
+    for (int j = jlo; j < jhi; ++j) {
+      float* sj = col + size_t(j) * BR;
+      V sv = vload(sj);
+      if (a.softcap > 0.0f) sv = vtanh(sv) * vset(a.softcap * kLog2e);
+      if (!full) sv = vselect(visible(j), sv, vset(kNegInf));
+      if (a.softcap > 0.0f || !full) vstore(sj, sv);
+      mx = vmax(mx, sv);
+    }
+    const V m_old = vload(s.m.data() + base);
+    const V m_new = vselect(vlt(m_old, mx), mx, m_old);  // std::max(m_old, mx), as softmax_row
+    const V alpha = vselect(vlt(vset(kNegInf), m_old), vexp2(m_old - m_new), vzero());
+    V u[16];
+    for (int i = 0; i < 16; ++i) u[i] = vzero();
+    if (full) {
+      for (int t = 0; t < TV; ++t)
+        for (int i = 0; i < 16; ++i) {
+          float* pj = col + size_t(16 * t + i) * BR;
+          const V p = vexp2(vload(pj) - m_new);
+          vstore(pj, p);
+          u[i] = u[i] + p;
+        }
+    } else {
+      for (int j = jlo; j < jhi; ++j) {
+        float* pj = col + size_t(j) * BR;
+        vstore(pj, vselect(visible(j), vexp2(vload(pj) - m_new), vzero()));
+      }
+      for (int t = 0; t < TV; ++t)
+        for (int i = 0; i < 16; ++i) {
+          const int j = 16 * t + i;
+          if (j >= jlo && j < jhi) u[i] = u[i] + vload(col + size_t(j) * BR);
+        }
+    }
+    for (int h = 8; h >= 1; h /= 2)
+      for (int i = 0; i < h; ++i) u[i] = u[i] + u[i + h];
+    const Mask live = full ? Mask(0xFFFF) : vlt(lo_v, hi_v);
+    const V l_old = vload(s.l.data() + base);
+    vstore(s.l.data() + base, vselect(live, l_old * alpha + u[0], l_old));
+    vstore(s.m.data() + base, vselect(live, m_new, m_old));
+    vstore(s.alpha.data() + base, vselect(live, alpha, vset(1.0f)));  // 1: rows without keys here keep acc
+  }
+
   // Row r of an item: head block r / nqg (KV head h0 + it), then position i0 + (r % nqg) / G, query
   // head (r % nqg) % G of the group.
   int64_t row_token(const Item& it, int qs, int nqg, int r) const { return qs + it.i0 + (r % nqg) / G; }
   int64_t row_head(const Item& it, int nqg, int r) const { return int64_t(it.h0 + r / nqg) * G + (r % nqg) % G; }
 
+  float q_at(int64_t i) const {
+    if (a.q_dtype == 0) return static_cast<const float*>(a.q)[i];
+    if (a.q_dtype == 1) return to_f32(static_cast<const BF16*>(a.q)[i]);
+    return to_f32(static_cast<const F16*>(a.q)[i]);
+  }
+  float q_mul() const { return a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e; }
+
+  // Rows' initial state: running max -inf, sum 0, accumulator 0.
+  void init_rows(int rows, Scratch& s) const {
+    std::fill_n(s.m.data(), rows, kNegInf);
+    std::fill_n(s.l.data(), rows, 0.0f);
+    std::fill_n(s.acc.data(), size_t(rows) * Dp, 0.0f);
+  }
+
+  // Row-wise path: scaled queries in s.qp [rows][Dp].
   void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
-    const float qmul = a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e;
+    const float qmul = q_mul();
     for (int r = 0; r < rows; ++r) {
       float* dst = s.qp.data() + size_t(r) * Dp;
       const int64_t off = row_token(it, qs, nqg, r) * a.q_stride_t + row_head(it, nqg, r) * a.q_stride_h;
-      for (int d = 0; d < D; ++d) {
-        float x;
-        if (a.q_dtype == 0) x = static_cast<const float*>(a.q)[off + d];
-        else if (a.q_dtype == 1) x = to_f32(static_cast<const BF16*>(a.q)[off + d]);
-        else x = to_f32(static_cast<const F16*>(a.q)[off + d]);
-        dst[d] = x * qmul;
-      }
+      for (int d = 0; d < D; ++d) dst[d] = q_at(off + d) * qmul;
       for (int d = D; d < Dp; ++d) dst[d] = 0.0f;
-      s.m[r] = kNegInf;
-      s.l[r] = 0.0f;
-      std::fill_n(s.acc.data() + size_t(r) * Dp, Dp, 0.0f);
     }
+    init_rows(rows, s);
   }
 
-  // One KV head's rows [r0, r0 + n) against one tile (keys already at off).
+  // Blocked path: head i's rows at padded rows [i * nqp, i * nqp + nqg); block b (rows [BR b, BR b + BR))
+  // transposed in s.qt at b * BR * Dp as [Dp][BR], zeros past head_dim and past the rows. Each padded
+  // row's absolute position in s.ipos and s.pos (float, exact); padding rows far before position 0.
+  void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
+    const V qmul = vset(q_mul());
+    const int heads = it.h1 - it.h0;
+    for (int hi = 0; hi < heads; ++hi)
+      for (int r0 = 0; r0 < nqp; r0 += 16) {  // 16 rows (one row vector) at a time
+        const int pr = hi * nqp + r0;
+        int64_t off[16];
+        for (int i = 0; i < 16; ++i) {
+          const int r = r0 + i;
+          s.ipos[pr + i] = r < nqg ? first + r / G : -(1 << 20);
+          s.pos[pr + i] = float(s.ipos[pr + i]);
+          off[i] = r < nqg ? row_token(it, qs, nqg, hi * nqg + r) * a.q_stride_t +
+                                 row_head(it, nqg, hi * nqg + r) * a.q_stride_h
+                           : -1;
+        }
+        float* dst = s.qt.data() + size_t(pr / BR) * BR * Dp + pr % BR;
+        for (int d0 = 0; d0 < Dp; d0 += 16) {
+          V rows[16];
+          for (int i = 0; i < 16; ++i) rows[i] = off[i] < 0 ? vzero() : load_q16(off[i] + d0, std::min(16, D - d0)) * qmul;
+          transpose16(rows);
+          for (int d = 0; d < 16; ++d) vstore(dst + size_t(d0 + d) * BR, rows[d]);
+        }
+      }
+    init_rows(heads * nqp, s);
+  }
+
+  // n (<= 16) query elements from element i as fp32, zeros beyond.
+  V load_q16(int64_t i, int n) const {
+    if (a.q_dtype == 0) return load16(static_cast<const float*>(a.q) + i, n);
+    if (a.q_dtype == 1) return load16(static_cast<const BF16*>(a.q) + i, n);
+    return load16(static_cast<const F16*>(a.q) + i, n);
+  }
+
+  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). `rows`: the
+  // next tile's whole rows are planned by the caller (flushed after the last head).
   void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
-                 int r0, int n, Scratch& s) const {
-    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
-    else s.pf.clear();
+                 int r0, int n, bool rows, Scratch& s) const {
+    if (rows) {
+      // planned in run()
+    } else if (ns < ne) {
+      plan_prefetch(next_off, ns, ne, h, s.pf);
+    } else {
+      s.pf.clear();
+    }
     const KT* krow[TILE];
     tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
-    const float* qp = s.qp.data() + size_t(r0) * Dp;
-    float* scores = s.p.data() + size_t(r0) * TILE;
-    if (n <= ROWWISE_MAX) {
-      qk_rowwise_n<KT>(qp, Dp, n, krow, ks, ke, D, scores, s.pf);
-    } else {
-      pack_tile(krow, ks, ke, s);
-      qk_packed(qp, Dp, n, s.kt.data(), D, scores, s.pf);
-    }
+    qk_rowwise_n<KT>(s.qp.data() + size_t(r0) * Dp, Dp, n, krow, ks, ke, D, s.p.data() + size_t(r0) * TILE, s.pf);
     for (int r = r0; r < r0 + n; ++r) {
-      // Row r's visible keys in this tile: a function of its own position only.
       const int pos = first + (r - r0) / G;
-      const int jlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, t0) - t0;
-      const int jhi = std::min(pos + 1, t0 + TILE) - t0;
+      const int jlo = visible_lo(pos, t0), jhi = visible_hi(pos, t0);
       if (jlo >= jhi) {
         s.jlo[r] = s.jhi[r] = 0;
         continue;
@@ -784,9 +1006,50 @@ struct Kernel {
       }
       int g = 1;
       while (g < PV_ROWS && r + g < r0 + n && s.jlo[r + g] == s.jlo[r] && s.jhi[r + g] == s.jhi[r]) ++g;
-      pv_group(s.acc.data() + size_t(r) * Dp, Dp, s.p.data() + size_t(r) * TILE, s.alpha.data() + r,
-               s.vrow.data(), s.jlo[r], s.jhi[r], D, g, s.pf);
+      pv_group<false>(s.acc.data() + size_t(r) * Dp, Dp, s.p.data() + size_t(r) * TILE, s.alpha.data() + r,
+               nullptr, nullptr, s.vrow.data(), s.jlo[r], s.jhi[r], D, g, false);
       r += g;
+    }
+    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
+  }
+
+  // Blocked path: one KV head's rows (nqg, from padded row p0) against one tile, block by block: scores,
+  // softmax and values of a block's 32 rows while the tile's keys and values are in L1.
+  void tile_blocked(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke,
+                    int first, int p0, int nqg, Scratch& s) const {
+    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
+    else s.pf.clear();
+    const float* krow[TILE + KJ];
+    block_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    for (int r0 = 0; r0 < nqg; r0 += BR) {
+      const int n = std::min(BR, nqg - r0), nv = (n + 15) / 16, pr = p0 + r0;
+      // The block's keys: from its first row's window start to its last row's position.
+      const int jlo = visible_lo(first + r0 / G, t0), jhi = visible_hi(first + (r0 + n - 1) / G, t0);
+      if (jlo >= jhi) continue;
+      // Every row sees every key of the tile: its first row the tile's last key, its last row the first.
+      const bool full = jlo == 0 && jhi == TILE && visible_hi(first + r0 / G, t0) == TILE &&
+                        visible_lo(first + (r0 + n - 1) / G, t0) == 0;
+      qk_block(s.qt.data() + size_t(pr) * Dp, nv, krow, jlo, jhi, Dp / 16, s.st.data(), s.pf);
+      for (int v = 0; v < nv; ++v) softmax_block(v, pr + 16 * v, t0, jlo, jhi, full, s);
+      for (int g = 0; g < n; g += PV_ROWS) {
+        const int rows = std::min(PV_ROWS, n - g);
+        int32_t lo[PV_ROWS], hi[PV_ROWS];
+        int glo = TILE, ghi = 0;
+        bool uniform = true;
+        for (int r = 0; r < rows; ++r) {
+          const int p = s.ipos[pr + g + r];
+          lo[r] = full ? 0 : visible_lo(p, t0);
+          hi[r] = full ? TILE : visible_hi(p, t0);
+          uniform = uniform && lo[r] == lo[0] && hi[r] == hi[0];
+          if (lo[r] < hi[r]) {
+            glo = std::min(glo, lo[r]);
+            ghi = std::max(ghi, hi[r]);
+          }
+        }
+        if (glo >= ghi) continue;
+        pv_group<true>(s.acc.data() + size_t(pr + g) * Dp, Dp, s.st.data() + g, s.alpha.data() + pr + g, lo, hi,
+                 s.vrow.data(), glo, ghi, D, rows, !uniform);
+      }
     }
     s.pf.flush();
   }
@@ -794,10 +1057,15 @@ struct Kernel {
   void run(const Item& it, Scratch& s) const {
     const int qs = a.query_start_loc[it.b];
     const int ctx = a.seq_lens[it.b] - (a.query_start_loc[it.b + 1] - qs);
-    const int nqg = (it.i1 - it.i0) * G, rows = (it.h1 - it.h0) * nqg;
-    s.ensure(rows, Dp);
-    load_q(it, qs, nqg, rows, s);
+    const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
+    // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
+    const bool blocked = nqg > ROWWISE_MAX;
+    const bool rows = !blocked && heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
+    s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
+    if (blocked) load_qt(it, qs, nqg, nqp, first, s);
+    else load_q(it, qs, nqg, heads * nqg, s);
     const int lo = a.window > 0 ? std::max(0, first - a.window + 1) : 0;
     const int32_t* bt = a.block_tables + int64_t(it.b) * a.bt_stride;
     int64_t off[2][TILE];
@@ -814,15 +1082,20 @@ struct Kernel {
         std::tie(ns, ne) = keys(t0 + TILE);
         tile_offsets(bt, t0 + TILE, ns, ne, off[cur ^ 1]);
       }
-      for (int h = it.h0; h < it.h1; ++h)
-        tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, s);
+      if (rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
+      else if (rows) s.pf.clear();
+      for (int h = it.h0; h < it.h1; ++h) {
+        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, s);
+        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, rows, s);
+      }
     }
-    for (int r = 0; r < rows; ++r) {
-      float* dst = a.out + (row_token(it, qs, nqg, r) * a.num_heads + row_head(it, nqg, r)) * D;
-      const float* src = s.acc.data() + size_t(r) * Dp;
-      const float l = s.l[r];
-      for (int d = 0; d < D; ++d) dst[d] = src[d] / l;
-    }
+    for (int hi = 0; hi < heads; ++hi)
+      for (int r = 0; r < nqg; ++r) {
+        float* dst = a.out + (row_token(it, qs, nqg, hi * nqg + r) * a.num_heads + row_head(it, nqg, hi * nqg + r)) * D;
+        const float* src = s.acc.data() + size_t(hi * nqp + r) * Dp;
+        const float l = s.l[hi * nqp + r];
+        for (int d = 0; d < D; ++d) dst[d] = src[d] / l;
+      }
   }
 };
 

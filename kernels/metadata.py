@@ -33,7 +33,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None
     # Per-forward scratch shared by all layers (e.g. the reference's gather plan per window size).
     cache: dict[Any, Any] = field(default_factory=dict)
-    # Attention implementation for this forward: auto | triton | torch (set per engine, so two
+    # Attention implementation for this forward: auto | triton | cpu_paged | torch (set per engine, so two
     # engines in one process never see each other's choice).
     backend: str = "auto"
     # The rows whose hidden state the caller reads (None: all). The model's last layer computes only

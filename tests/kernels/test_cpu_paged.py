@@ -241,8 +241,8 @@ def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
         return outs
 
     native = outputs()
-    for name, flags in {"avx2": ["-march=native", "-mno-avx512f"],
-                        "generic": ["-march=native", "-mno-avx512f", "-mno-avx2"]}.items():
+    for name, flags in {"avx2": ["-march=native", "-fopenmp", "-mno-avx512f"],
+                        "generic": ["-march=native", "-fopenmp", "-mno-avx512f", "-mno-avx2"]}.items():
         lib, _ = cpu_build.build_library(flags, tmp_path)
         assert lib.ladle_attention_isa().decode() == name
         monkeypatch.setattr("kernels.cpu_paged.load_library", lambda lib=lib: lib)
@@ -278,6 +278,27 @@ def test_dispatch_runs_the_kernel(monkeypatch):
     got = kernels.attention(q, k, v, cache.clone(), meta, scale=0.25, softcap=10.0)
     meta2 = AttentionMetadata.build([1, 20], [31, 20], meta.block_tables, 16)
     assert torch.equal(got, cpu_paged_attention(q, k, v, cache.clone(), meta2, scale=0.25, softcap=10.0))
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setattr(cpu_build, "_compiler", lambda: None)
+    with caplog.at_level("WARNING", logger="ladle.kernels"):
+        assert cpu_build.load_library() is None
+        assert cpu_build.load_library() is None
+    assert "no C++ compiler" in cpu_build.build_error()
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "using the torch reference attention" in caplog.records[0].message
+    assert kernels.get_backend(torch.device("cpu")) == "torch"
+
+
+def test_unwritable_cache_builds_elsewhere(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("LADLE_KERNEL_CACHE", str(blocker / "cache"))  # cannot be created
+    lib, path = cpu_build.build_library(["-DLADLE_TEST_VARIANT"])
+    assert path.exists() and not str(path).startswith(str(blocker))
+    assert lib.ladle_attention_tile() == cpu_build.TILE
 
 
 def test_build_is_cached_and_described():

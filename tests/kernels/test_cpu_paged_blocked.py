@@ -1,0 +1,100 @@
+"""The CPU kernel's blocked path (prefill chunks: query rows in blocks of 48, 16 to a vector, keys 4 at a
+time) at its edges: chunks that start inside a tile, row counts that are not a multiple of the block or
+of a vector, every GQA group size, head dims with a tail, windows that leave some rows of a block (or of
+a value group) without a key in a tile, soft-cap. Each against the reference, and bitwise against the
+same positions computed whole, in other chunks, as row-wise decodes and inside mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_build, reference_attention
+from kernels.cpu_paged import cpu_paged_attention
+from tests.kernels.cpu_schedules import CacheLayout, alone, chunks, interleave, random_inputs, run_schedule
+
+if cpu_build._compiler() is None:
+    pytest.skip("no C++ compiler: the CPU kernel cannot be built here", allow_module_level=True)
+
+LENGTH = 150  # crosses four 32-key tiles and ends inside the fifth
+# (window, softcap): none; a window of 2 (rows of one block, or of one value group, see no key of a
+# tile their neighbours see); a window across tiles; soft-cap; both.
+VARIANTS = [(None, None), (2, None), (37, None), (None, 20.0), (5, 8.0)]
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _reference(seq, kw) -> torch.Tensor:
+    """The torch reference on the whole sequence (one forward, contiguous cache)."""
+    layout = CacheLayout(block_size=16, garbage=0.0)
+    return run_schedule([seq], alone(0, [len(seq.q)]), reference_attention, layout, **kw)[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (16, 2), (8, 1)])  # GQA 1, 2, 4, 8, 8
+@pytest.mark.parametrize("head_dim", [64, 128, 72, 40])
+def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
+    seqs = random_inputs([LENGTH, 61], heads, kv_heads, head_dim, seed=head_dim + heads)
+    for window, softcap in VARIANTS:
+        kw = {"window": window, "softcap": softcap, "scale": head_dim**-0.5}
+        torch.set_num_threads(1)
+        layout = CacheLayout(block_size=16, max_len=160)
+        whole = run_schedule(seqs[:1], alone(0, [LENGTH]), cpu_paged_attention, layout, **kw)[0]
+        torch.testing.assert_close(whole, _reference(seqs[0], kw), atol=2e-5, rtol=2e-5)
+        schedules = {
+            # Chunks starting inside tiles, of row counts that are no multiple of 16 or 48 at any group size.
+            "chunks 13/45/50/7": alone(0, chunks(LENGTH, [13, 45, 50, 7])),
+            "chunks of 3": alone(0, chunks(LENGTH, [3])),
+            # The last positions as decodes: the row-wise path where a KV head has at most 4 rows.
+            "prompt 97 then decodes": alone(0, [97] + [1] * (LENGTH - 97)),
+        }
+        for name, schedule in schedules.items():
+            got = run_schedule(seqs[:1], schedule, cpu_paged_attention, layout, **kw)[0]
+            assert torch.equal(got, whole), f"{name}, window {window}, softcap {softcap}"
+        torch.set_num_threads(2)
+        mixed = interleave({0: chunks(LENGTH, [40, 1, 29]), 1: chunks(61, [17, 1])}, seed=head_dim, max_batch=2)
+        got = run_schedule(seqs, mixed, cpu_paged_attention, CacheLayout(block_size=4, max_len=160, seed=3), **kw)
+        assert torch.equal(got[0], whole), f"mixed batch, window {window}, softcap {softcap}"
+
+
+@pytest.mark.parametrize("heads,kv_heads,query_len", [(8, 4, 3), (16, 2, 1), (12, 2, 4)])
+def test_blocked_multi_head_items(heads, kv_heads, query_len, threads):
+    """Many short queries per sequence (more rows per KV head than the row-wise path takes) in a batch
+    large enough that one work item holds all KV heads of a sequence: equal to each sequence alone."""
+    lengths = [int(n) for n in torch.randint(query_len + 1, 90, (20,), generator=torch.Generator().manual_seed(7))]
+    seqs = random_inputs(lengths, heads, kv_heads, 32, seed=9)
+    kw = {"scale": 0.2, "window": None, "softcap": None}
+    prompts = {sid: [n - query_len] for sid, n in enumerate(lengths)}
+    forwards = [[(sid, p[0]) for sid, p in prompts.items()], [(sid, query_len) for sid in range(len(lengths))]]
+    torch.set_num_threads(1)
+    want = [run_schedule([s], alone(0, [len(s.q)]), cpu_paged_attention, CacheLayout(), **kw)[0] for s in seqs]
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        got = run_schedule(seqs, forwards, cpu_paged_attention, CacheLayout(seed=t), **kw)
+        for sid in range(len(seqs)):
+            assert torch.equal(got[sid], want[sid]), f"sequence {sid}, {t} threads"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 1)])
+@pytest.mark.parametrize("window", [None, 2, 37])
+@pytest.mark.parametrize("poisoned", [64, 70])
+def test_unseen_keys_never_count(heads, kv_heads, window, poisoned):
+    """A NaN key and value at one position changes no output of a query that cannot see it (earlier
+    positions, and positions past the window): rows of one block or value group that see different keys
+    of a tile never share an operation on the keys only some of them see. The chunk from 51 puts
+    positions 63 and 64 (either side of a tile start) in one group of value rows."""
+    seqs = random_inputs([LENGTH], heads, kv_heads, 64, seed=1)
+    kw = {"window": window, "softcap": None, "scale": 0.125}
+    schedule = alone(0, [51, 64, 35])
+    clean = run_schedule(seqs, schedule, cpu_paged_attention, CacheLayout(), **kw)[0]
+    seqs[0].k[poisoned] = float("nan")
+    seqs[0].v[poisoned] = float("nan")
+    got = run_schedule(seqs, schedule, cpu_paged_attention, CacheLayout(), **kw)[0]
+    unseen = torch.ones(LENGTH, dtype=torch.bool)
+    unseen[poisoned : poisoned + (window or LENGTH)] = False
+    assert torch.equal(got[unseen], clean[unseen])
+    assert got[~unseen].isnan().all()
