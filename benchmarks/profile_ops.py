@@ -4,7 +4,8 @@ Runs benchmarks/vs_vllm.py's ladle workload (random Qwen3 166M, 32 prompts / ~12
 32 greedy tokens each, step budget 512, fp32, eager) under torch.profiler, one process per
 measurement, and reports each op's self time in seconds. The C++ attention kernel is called through
 ctypes, which the profiler cannot see: it is wrapped in a record_function named
-`ladle::cpu_paged_attention` (the same for the fused CPU kernels when present). "other" is the
+`ladle::cpu_paged_attention` (and the fused CPU kernels `ladle::add_rms_norm`, `ladle::gated_activation`,
+`ladle::qk_norm_rope` where the checkout has them). "other" is the
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
 
 `--source DIR` (repeatable, `label=DIR`) profiles the engine code of another checkout, e.g. the
@@ -47,6 +48,12 @@ def _wrap_untraced_kernels() -> None:
     from kernels import cpu_paged
 
     named(cpu_paged, "cpu_paged_attention", "ladle::cpu_paged_attention")
+    try:
+        from kernels import cpu_fused
+    except ImportError:  # a checkout from before the fused kernels
+        return
+    for name in ("add_rms_norm", "gated_activation", "qk_norm_rope"):
+        named(cpu_fused, name, f"ladle::{name}")
 
 
 def worker(args: argparse.Namespace) -> None:
