@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
+    p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
     if args.worker:
         args.threads = int(args.threads)
@@ -150,7 +151,8 @@ def main() -> None:
     labels = [label for label, _ in sources]
     threads = [int(t) for t in args.threads.split(",")]
     work = Path(tempfile.mkdtemp(prefix="profile_ops-"))
-    print(f"load: {benchutil.load_average()}", flush=True)
+    load = benchutil.load_average()
+    print(f"load: {load}", flush=True)
     results: dict[tuple[str, int], dict] = {}
     for t in threads:
         for rep in range(args.repeats):
@@ -159,7 +161,16 @@ def main() -> None:
                 print(f"  {label} {t} threads rep {rep}: {res['wall']:.2f} s", flush=True)
                 if (label, t) not in results or res["wall"] < results[(label, t)]["wall"]:
                     results[(label, t)] = res
-    print(table(results, labels, threads))
+    text = table(results, labels, threads)
+    print(text)
+    if args.write_docs:
+        command = " ".join(["benchmarks/profile_ops.py", "--threads", args.threads, "--repeats", str(args.repeats),
+                            *[f"--source {label}=..." for label in labels]])
+        body = (f"Command: `.venv/bin/python {command}` (sources: {', '.join(f'{lb} = {src}' for lb, src in sources)}).\n"
+                f"Self seconds by op of the timed generate (the vs_vllm workload, eager, fp32; the fastest of "
+                f"{args.repeats} per column); load average at the start: {load}, at the end: "
+                f"{benchutil.load_average()}.\n\n{text}\n")
+        benchutil.write_docs_section("profile_ops", body)
 
 
 if __name__ == "__main__":
