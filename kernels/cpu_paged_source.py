@@ -66,6 +66,11 @@ constexpr int RV = LADLE_BLOCK_RV;  // row vectors per blocked score micro-kerne
 constexpr int KJ = LADLE_BLOCK_KJ;  // keys per blocked score micro-kernel
 static_assert(RV >= 1 && RV <= 3, "LADLE_BLOCK_RV must be 1, 2 or 3");
 constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
+// ... and up to which they do in items that hold every KV head of a sequence (decode batches: bound by
+// reading the cache) when head_dim >= 128. Measured at 8 rows, batch 32, context 1024: row-wise 1.35x
+// (head_dim 128) and 1.6x (256) faster than blocked; 0.95x (96), 0.85x (80) and 0.8x (64) as fast.
+constexpr int ROWWISE_MAX_ROWS = 8;
+static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at most 8");
 constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -416,6 +421,7 @@ struct Prefetcher {
   int64_t es = 4;
   int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
   int x = 0, unit = 8;  // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
+  bool per_head = true;  // rows of one head: issue(n) is n keys (a cheaper loop)
   void clear() { j = end = 0; }
   // Rows of `bytes` (one head's, or all heads' of a key: a whole cache row) of the keys [ks, ke).
   void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks,
@@ -429,9 +435,21 @@ struct Prefetcher {
     row_bytes = bytes;
     x = 0;
     unit = 2 * ((head_bytes + 63) / 64);
+    per_head = bytes == head_bytes;
   }
   // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
+    if (per_head) {  // one head's rows: n keys
+      for (; n > 0 && j < end; --n, ++j) {
+        const char* kr = k + off[j] * es;
+        const char* vr = v + off[j] * es;
+        for (int b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(kr + b, 0, 3);
+          __builtin_prefetch(vr + b, 0, 3);
+        }
+      }
+      return;
+    }
     for (int lines = n * unit; lines > 0 && j < end;) {
       const char* kr = k + off[j] * es;
       const char* vr = v + off[j] * es;
@@ -568,7 +586,7 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
   if (cnt) flush();
 }
 
-template <class KT, int N = ROWWISE_MAX>
+template <class KT, int N = ROWWISE_MAX_ROWS>
 inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len,
                          float* s, Prefetcher& pf) {
   if constexpr (N >= 1) {
@@ -783,15 +801,24 @@ struct Kernel {
 
   // The blocked path's key and value rows, copied (as fp32, zero-padded to Dp) into contiguous tiles
   // s.kc and s.vc: in the cache, one head's rows are num_kv_heads * head_dim apart and blocks are
-  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other (~2x slower
-  // values in place). krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the micro-kernel's
-  // overrun).
-  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, const float** krow, Scratch& s) const {
+  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other, and every
+  // block of rows reads them again. With one row vector (<= 16 rows a head: decodes of large query
+  // groups, short chunks) each row is read about once: then fp32 rows of a head_dim that is a multiple
+  // of 16 are used in place. krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the
+  // micro-kernel's overrun).
+  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     for (int j = 0; j < TILE + KJ; ++j) {
       krow[j] = s.zero.data();
       if (j < ks || j >= ke) continue;
+      if constexpr (std::is_same_v<KT, float>) {
+        if (D == Dp && nqg <= 16) {
+          krow[j] = kc + off[j];
+          s.vrow[j] = vc + off[j];
+          continue;
+        }
+      }
       float* kd = s.kc.data() + size_t(j) * Dp;
       float* vd = s.vc.data() + size_t(j) * Dp;
       copy_row(kc + off[j], kd);
@@ -1016,11 +1043,16 @@ struct Kernel {
   // Blocked path: one KV head's rows (nqg, from padded row p0) against one tile, block by block: scores,
   // softmax and values of a block's 32 rows while the tile's keys and values are in L1.
   void tile_blocked(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke,
-                    int first, int p0, int nqg, Scratch& s) const {
-    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
-    else s.pf.clear();
+                    int first, int p0, int nqg, bool rows, Scratch& s) const {
+    if (rows) {
+      // planned in run()
+    } else if (ns < ne) {
+      plan_prefetch(next_off, ns, ne, h, s.pf);
+    } else {
+      s.pf.clear();
+    }
     const float* krow[TILE + KJ];
-    block_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    block_rows(off, int64_t(h) * D, ks, ke, nqg, krow, s);
     for (int r0 = 0; r0 < nqg; r0 += BR) {
       const int n = std::min(BR, nqg - r0), nv = (n + 15) / 16, pr = p0 + r0;
       // The block's keys: from its first row's window start to its last row's position.
@@ -1051,7 +1083,7 @@ struct Kernel {
                  s.vrow.data(), glo, ghi, D, rows, !uniform);
       }
     }
-    s.pf.flush();
+    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
   }
 
   void run(const Item& it, Scratch& s) const {
@@ -1059,8 +1091,8 @@ struct Kernel {
     const int ctx = a.seq_lens[it.b] - (a.query_start_loc[it.b + 1] - qs);
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
-    const bool blocked = nqg > ROWWISE_MAX;
-    const bool rows = !blocked && heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    const bool rows = heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    const bool blocked = nqg > (rows && D >= 128 ? ROWWISE_MAX_ROWS : ROWWISE_MAX);
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
@@ -1085,7 +1117,7 @@ struct Kernel {
       if (rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
       else if (rows) s.pf.clear();
       for (int h = it.h0; h < it.h1; ++h) {
-        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, s);
+        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, rows, s);
         else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, rows, s);
       }
     }
