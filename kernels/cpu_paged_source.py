@@ -970,17 +970,20 @@ struct Kernel {
   void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
     const V qmul = vset(q_mul());
     const int heads = it.h1 - it.h0;
-    for (int hi = 0; hi < heads; ++hi)
+    for (int hi = 0; hi < heads; ++hi) {
+      int p = 0, g = 0;  // row r of the head: position i0 + p, query head (h0 + hi) * G + g (no divisions)
       for (int r0 = 0; r0 < nqp; r0 += 16) {  // 16 rows (one row vector) at a time
         const int pr = hi * nqp + r0;
         int64_t off[16];
         for (int i = 0; i < 16; ++i) {
-          const int r = r0 + i;
-          s.ipos[pr + i] = r < nqg ? first + r / G : -(1 << 20);
+          const bool real = r0 + i < nqg;
+          s.ipos[pr + i] = real ? first + p : -(1 << 20);
           s.pos[pr + i] = float(s.ipos[pr + i]);
-          off[i] = r < nqg ? row_token(it, qs, nqg, hi * nqg + r) * a.q_stride_t +
-                                 row_head(it, nqg, hi * nqg + r) * a.q_stride_h
-                           : -1;
+          off[i] = real ? (qs + it.i0 + p) * a.q_stride_t + (int64_t(it.h0 + hi) * G + g) * a.q_stride_h : -1;
+          if (++g == G) {
+            g = 0;
+            ++p;
+          }
         }
         float* dst = s.qt.data() + size_t(pr / BR) * BR * Dp + pr % BR;
         for (int d0 = 0; d0 < Dp; d0 += 16) {
@@ -990,6 +993,7 @@ struct Kernel {
           for (int d = 0; d < 16; ++d) vstore(dst + size_t(d0 + d) * BR, rows[d]);
         }
       }
+    }
     init_rows(heads * nqp, s);
   }
 
@@ -1122,11 +1126,17 @@ struct Kernel {
       }
     }
     for (int hi = 0; hi < heads; ++hi)
-      for (int r = 0; r < nqg; ++r) {
-        float* dst = a.out + (row_token(it, qs, nqg, hi * nqg + r) * a.num_heads + row_head(it, nqg, hi * nqg + r)) * D;
+      for (int r = 0, p = 0, g = 0; r < nqg; ++r) {  // position i0 + p, query head (h0 + hi) * G + g
+        float* dst = a.out + ((qs + it.i0 + p) * int64_t(a.num_heads) + int64_t(it.h0 + hi) * G + g) * D;
         const float* src = s.acc.data() + size_t(hi * nqp + r) * Dp;
-        const float l = s.l[hi * nqp + r];
-        for (int d = 0; d < D; ++d) dst[d] = src[d] / l;
+        const V l = vset(s.l[hi * nqp + r]);
+        int d = 0;
+        for (; d + 16 <= D; d += 16) vstore(dst + d, vload(src + d) / l);
+        for (; d < D; ++d) dst[d] = src[d] / s.l[hi * nqp + r];
+        if (++g == G) {
+          g = 0;
+          ++p;
+        }
       }
   }
 };
