@@ -1143,18 +1143,26 @@ struct Kernel {
 
 int elem_size(int dtype) { return dtype == 0 ? 4 : 2; }
 
+// The new keys and values into their slots: one copy per token and plane when a token's heads are
+// contiguous in the source (a view of one QKV projection is), else one per head (a copy per head was
+// ~0.4 ms of a 512-token chunk: 8192 small copies).
 void write_kv(const Args& a) {
-  const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es;
-  const int64_t n = int64_t(a.num_tokens) * a.num_kv_heads;
-  const int threads = n * row >= (int64_t(1) << 18) ? a.num_threads : 1;
+  const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es, hkv = a.num_kv_heads;
+  const int64_t n = a.num_tokens;
+  const int threads = n * hkv * row >= (int64_t(1) << 18) ? a.num_threads : 1;
+  auto copy = [&](const void* cache, const void* src, int64_t st, int64_t sh, int64_t t) {
+    char* dst = static_cast<char*>(const_cast<void*>(cache)) + a.slot_mapping[t] * hkv * row;
+    const char* from = static_cast<const char*>(src) + t * st * es;
+    if (sh == a.head_dim) {
+      std::memcpy(dst, from, hkv * row);
+      return;
+    }
+    for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + h * row, from + h * sh * es, row);
+  };
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = i / a.num_kv_heads, h = i % a.num_kv_heads;
-    const int64_t dst = (a.slot_mapping[t] * a.num_kv_heads + h) * row;
-    std::memcpy(static_cast<char*>(const_cast<void*>(a.k_cache)) + dst,
-                static_cast<const char*>(a.k_new) + (t * a.k_stride_t + h * a.k_stride_h) * es, row);
-    std::memcpy(static_cast<char*>(const_cast<void*>(a.v_cache)) + dst,
-                static_cast<const char*>(a.v_new) + (t * a.v_stride_t + h * a.v_stride_h) * es, row);
+  for (int64_t t = 0; t < n; ++t) {
+    copy(a.k_cache, a.k_new, a.k_stride_t, a.k_stride_h, t);
+    copy(a.v_cache, a.v_new, a.v_stride_t, a.v_stride_h, t);
   }
 }
 
