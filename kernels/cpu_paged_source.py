@@ -66,6 +66,11 @@ constexpr int RV = LADLE_BLOCK_RV;  // row vectors per blocked score micro-kerne
 constexpr int KJ = LADLE_BLOCK_KJ;  // keys per blocked score micro-kernel
 static_assert(RV >= 1 && RV <= 3, "LADLE_BLOCK_RV must be 1, 2 or 3");
 constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
+// ... and up to which they do in items that hold every KV head of a sequence (decode batches: bound by
+// reading the cache) when head_dim >= 128. Measured at 8 rows, batch 32, context 1024: row-wise 1.35x
+// (head_dim 128) and 1.6x (256) faster than blocked; 0.95x (96), 0.85x (80) and 0.8x (64) as fast.
+constexpr int ROWWISE_MAX_ROWS = 8;
+static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at most 8");
 constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -416,6 +421,7 @@ struct Prefetcher {
   int64_t es = 4;
   int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
   int x = 0, unit = 8;  // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
+  bool per_head = true;  // rows of one head: issue(n) is n keys (a cheaper loop)
   void clear() { j = end = 0; }
   // Rows of `bytes` (one head's, or all heads' of a key: a whole cache row) of the keys [ks, ke).
   void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks,
@@ -429,9 +435,21 @@ struct Prefetcher {
     row_bytes = bytes;
     x = 0;
     unit = 2 * ((head_bytes + 63) / 64);
+    per_head = bytes == head_bytes;
   }
   // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
+    if (per_head) {  // one head's rows: n keys
+      for (; n > 0 && j < end; --n, ++j) {
+        const char* kr = k + off[j] * es;
+        const char* vr = v + off[j] * es;
+        for (int b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(kr + b, 0, 3);
+          __builtin_prefetch(vr + b, 0, 3);
+        }
+      }
+      return;
+    }
     for (int lines = n * unit; lines > 0 && j < end;) {
       const char* kr = k + off[j] * es;
       const char* vr = v + off[j] * es;
@@ -568,7 +586,7 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
   if (cnt) flush();
 }
 
-template <class KT, int N = ROWWISE_MAX>
+template <class KT, int N = ROWWISE_MAX_ROWS>
 inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len,
                          float* s, Prefetcher& pf) {
   if constexpr (N >= 1) {
@@ -783,15 +801,24 @@ struct Kernel {
 
   // The blocked path's key and value rows, copied (as fp32, zero-padded to Dp) into contiguous tiles
   // s.kc and s.vc: in the cache, one head's rows are num_kv_heads * head_dim apart and blocks are
-  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other (~2x slower
-  // values in place). krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the micro-kernel's
-  // overrun).
-  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, const float** krow, Scratch& s) const {
+  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other, and every
+  // block of rows reads them again. With one row vector (<= 16 rows a head: decodes of large query
+  // groups, short chunks) each row is read about once: then fp32 rows of a head_dim that is a multiple
+  // of 16 are used in place. krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the
+  // micro-kernel's overrun).
+  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     for (int j = 0; j < TILE + KJ; ++j) {
       krow[j] = s.zero.data();
       if (j < ks || j >= ke) continue;
+      if constexpr (std::is_same_v<KT, float>) {
+        if (D == Dp && nqg <= 16) {
+          krow[j] = kc + off[j];
+          s.vrow[j] = vc + off[j];
+          continue;
+        }
+      }
       float* kd = s.kc.data() + size_t(j) * Dp;
       float* vd = s.vc.data() + size_t(j) * Dp;
       copy_row(kc + off[j], kd);
@@ -943,17 +970,20 @@ struct Kernel {
   void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
     const V qmul = vset(q_mul());
     const int heads = it.h1 - it.h0;
-    for (int hi = 0; hi < heads; ++hi)
+    for (int hi = 0; hi < heads; ++hi) {
+      int p = 0, g = 0;  // row r of the head: position i0 + p, query head (h0 + hi) * G + g (no divisions)
       for (int r0 = 0; r0 < nqp; r0 += 16) {  // 16 rows (one row vector) at a time
         const int pr = hi * nqp + r0;
         int64_t off[16];
         for (int i = 0; i < 16; ++i) {
-          const int r = r0 + i;
-          s.ipos[pr + i] = r < nqg ? first + r / G : -(1 << 20);
+          const bool real = r0 + i < nqg;
+          s.ipos[pr + i] = real ? first + p : -(1 << 20);
           s.pos[pr + i] = float(s.ipos[pr + i]);
-          off[i] = r < nqg ? row_token(it, qs, nqg, hi * nqg + r) * a.q_stride_t +
-                                 row_head(it, nqg, hi * nqg + r) * a.q_stride_h
-                           : -1;
+          off[i] = real ? (qs + it.i0 + p) * a.q_stride_t + (int64_t(it.h0 + hi) * G + g) * a.q_stride_h : -1;
+          if (++g == G) {
+            g = 0;
+            ++p;
+          }
         }
         float* dst = s.qt.data() + size_t(pr / BR) * BR * Dp + pr % BR;
         for (int d0 = 0; d0 < Dp; d0 += 16) {
@@ -963,6 +993,7 @@ struct Kernel {
           for (int d = 0; d < 16; ++d) vstore(dst + size_t(d0 + d) * BR, rows[d]);
         }
       }
+    }
     init_rows(heads * nqp, s);
   }
 
@@ -1016,11 +1047,16 @@ struct Kernel {
   // Blocked path: one KV head's rows (nqg, from padded row p0) against one tile, block by block: scores,
   // softmax and values of a block's 32 rows while the tile's keys and values are in L1.
   void tile_blocked(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke,
-                    int first, int p0, int nqg, Scratch& s) const {
-    if (ns < ne) plan_prefetch(next_off, ns, ne, h, s.pf);
-    else s.pf.clear();
+                    int first, int p0, int nqg, bool rows, Scratch& s) const {
+    if (rows) {
+      // planned in run()
+    } else if (ns < ne) {
+      plan_prefetch(next_off, ns, ne, h, s.pf);
+    } else {
+      s.pf.clear();
+    }
     const float* krow[TILE + KJ];
-    block_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    block_rows(off, int64_t(h) * D, ks, ke, nqg, krow, s);
     for (int r0 = 0; r0 < nqg; r0 += BR) {
       const int n = std::min(BR, nqg - r0), nv = (n + 15) / 16, pr = p0 + r0;
       // The block's keys: from its first row's window start to its last row's position.
@@ -1051,7 +1087,7 @@ struct Kernel {
                  s.vrow.data(), glo, ghi, D, rows, !uniform);
       }
     }
-    s.pf.flush();
+    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
   }
 
   void run(const Item& it, Scratch& s) const {
@@ -1059,8 +1095,8 @@ struct Kernel {
     const int ctx = a.seq_lens[it.b] - (a.query_start_loc[it.b + 1] - qs);
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
-    const bool blocked = nqg > ROWWISE_MAX;
-    const bool rows = !blocked && heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    const bool rows = heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    const bool blocked = nqg > (rows && D >= 128 ? ROWWISE_MAX_ROWS : ROWWISE_MAX);
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
@@ -1085,34 +1121,48 @@ struct Kernel {
       if (rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
       else if (rows) s.pf.clear();
       for (int h = it.h0; h < it.h1; ++h) {
-        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, s);
+        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, rows, s);
         else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, rows, s);
       }
     }
     for (int hi = 0; hi < heads; ++hi)
-      for (int r = 0; r < nqg; ++r) {
-        float* dst = a.out + (row_token(it, qs, nqg, hi * nqg + r) * a.num_heads + row_head(it, nqg, hi * nqg + r)) * D;
+      for (int r = 0, p = 0, g = 0; r < nqg; ++r) {  // position i0 + p, query head (h0 + hi) * G + g
+        float* dst = a.out + ((qs + it.i0 + p) * int64_t(a.num_heads) + int64_t(it.h0 + hi) * G + g) * D;
         const float* src = s.acc.data() + size_t(hi * nqp + r) * Dp;
-        const float l = s.l[hi * nqp + r];
-        for (int d = 0; d < D; ++d) dst[d] = src[d] / l;
+        const V l = vset(s.l[hi * nqp + r]);
+        int d = 0;
+        for (; d + 16 <= D; d += 16) vstore(dst + d, vload(src + d) / l);
+        for (; d < D; ++d) dst[d] = src[d] / s.l[hi * nqp + r];
+        if (++g == G) {
+          g = 0;
+          ++p;
+        }
       }
   }
 };
 
 int elem_size(int dtype) { return dtype == 0 ? 4 : 2; }
 
+// The new keys and values into their slots: one copy per token and plane when a token's heads are
+// contiguous in the source (a view of one QKV projection is), else one per head (a copy per head was
+// ~0.4 ms of a 512-token chunk: 8192 small copies).
 void write_kv(const Args& a) {
-  const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es;
-  const int64_t n = int64_t(a.num_tokens) * a.num_kv_heads;
-  const int threads = n * row >= (int64_t(1) << 18) ? a.num_threads : 1;
+  const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es, hkv = a.num_kv_heads;
+  const int64_t n = a.num_tokens;
+  const int threads = n * hkv * row >= (int64_t(1) << 18) ? a.num_threads : 1;
+  auto copy = [&](const void* cache, const void* src, int64_t st, int64_t sh, int64_t t) {
+    char* dst = static_cast<char*>(const_cast<void*>(cache)) + a.slot_mapping[t] * hkv * row;
+    const char* from = static_cast<const char*>(src) + t * st * es;
+    if (sh == a.head_dim) {
+      std::memcpy(dst, from, hkv * row);
+      return;
+    }
+    for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + h * row, from + h * sh * es, row);
+  };
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = i / a.num_kv_heads, h = i % a.num_kv_heads;
-    const int64_t dst = (a.slot_mapping[t] * a.num_kv_heads + h) * row;
-    std::memcpy(static_cast<char*>(const_cast<void*>(a.k_cache)) + dst,
-                static_cast<const char*>(a.k_new) + (t * a.k_stride_t + h * a.k_stride_h) * es, row);
-    std::memcpy(static_cast<char*>(const_cast<void*>(a.v_cache)) + dst,
-                static_cast<const char*>(a.v_new) + (t * a.v_stride_t + h * a.v_stride_h) * es, row);
+  for (int64_t t = 0; t < n; ++t) {
+    copy(a.k_cache, a.k_new, a.k_stride_t, a.k_stride_h, t);
+    copy(a.v_cache, a.v_new, a.v_stride_t, a.v_stride_h, t);
   }
 }
 

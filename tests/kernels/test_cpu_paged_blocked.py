@@ -62,11 +62,13 @@ def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
 
 
 @pytest.mark.parametrize("heads,kv_heads,query_len", [(8, 4, 3), (16, 2, 1), (12, 2, 4)])
-def test_blocked_multi_head_items(heads, kv_heads, query_len, threads):
-    """Many short queries per sequence (more rows per KV head than the row-wise path takes) in a batch
-    large enough that one work item holds all KV heads of a sequence: equal to each sequence alone."""
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_blocked_multi_head_items(heads, kv_heads, query_len, head_dim, threads):
+    """Many short queries per sequence (6, 8 or 24 rows per KV head: blocked, or row-wise up to 8 rows
+    at head dim 128) in a batch large enough that one work item holds all KV heads of a sequence (its
+    whole cache rows prefetched): equal to each sequence alone."""
     lengths = [int(n) for n in torch.randint(query_len + 1, 90, (20,), generator=torch.Generator().manual_seed(7))]
-    seqs = random_inputs(lengths, heads, kv_heads, 32, seed=9)
+    seqs = random_inputs(lengths, heads, kv_heads, head_dim, seed=9)
     kw = {"scale": 0.2, "window": None, "softcap": None}
     prompts = {sid: [n - query_len] for sid, n in enumerate(lengths)}
     forwards = [[(sid, p[0]) for sid, p in prompts.items()], [(sid, query_len) for sid in range(len(lengths))]]
