@@ -36,6 +36,7 @@ SECTIONS = [
     ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
     ("vs_vllm", "5. ladle vs vLLM-CPU: same CPU, same model, same prompt tokens"),
     ("attention_cpu", "8. CPU attention: the cpu_paged kernel vs the torch reference"),
+    ("startup_runtime", "9. Runtime start-up: malloc, OpenMP wait policy, thread binding, Intel OpenMP"),
     ("deterministic", "7. The cost of deterministic=true"),
     ("refactor", "6. The engine/runner refactor (issue 19): host overhead and throughput before and after"),
     ("gpu", "GPU"),
