@@ -1,4 +1,5 @@
-"""`python -m runner` / `ladle`: run a job from the Hydra config tree in conf/ (see docs/RUNNER.md).
+"""The CLI proper (`python -m runner` / `ladle`, entered through runner/__main__.py after the start-up
+step): run a job from the Hydra config tree in conf/ (see docs/RUNNER.md).
 
     python -m runner                                          # tiny model, the shipped sample prompts
     python -m runner model=qwen3_4b chunking.size=256
@@ -75,7 +76,3 @@ def main() -> None:
         if e.code == 1 and not _task_started:
             sys.exit(CONFIG_ERROR_EXIT)
         raise
-
-
-if __name__ == "__main__":
-    main()
