@@ -18,6 +18,8 @@ Configurations (each is an environment the worker process starts with):
     tc+bind   tcmalloc and bind together
     spin10k   GOMP_SPINCOUNT=10000 (spin briefly, then sleep; the default spins 300,000 rounds)
     tc+passive  tcmalloc and passive together: what ladle's start-up step sets (runner/startup.py)
+    glibc-tuned  GLIBC_TUNABLES=GLIBC_TUNED below (glibc malloc keeps freed memory; nothing to install)
+    gt+passive  glibc-tuned and passive together
 
     .venv/bin/python benchmarks/startup_runtime.py [--threads 1,2] [--configs base,tcmalloc,...]
         [--repeats 4] [--write-docs]
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,14 +41,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # this checkout's packages, whatever is installed
 
-LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
-TCMALLOC = LIBDIR / "libtcmalloc_minimal.so.4"
-JEMALLOC = LIBDIR / "libjemalloc.so.2"
+from runner.startup import find_malloc, library_dirs
+
+TCMALLOC = find_malloc()  # what the CLI's start-up step would preload
+JEMALLOC = next((d / "libjemalloc.so.2" for d in library_dirs() if (d / "libjemalloc.so.2").is_file()), None)
 IOMP5_CANDIDATES = [REPO / "peer" / "lib" / "libiomp5.so", Path("/work/main/peer/lib/libiomp5.so"),
                     Path(sys.prefix) / "lib" / "libiomp5.so"]
-DEFAULT_CONFIGS = "base,tcmalloc,jemalloc,bind,affinity,passive,active,iomp5,tc+bind"
+# glibc malloc keeping freed memory instead of returning it to the kernel (which faults it in again,
+# zeroed, at the next allocation): no mmap'd chunks (blocks over 32 MiB are always mmap'd otherwise) and
+# a 1 GiB trim threshold; the price is that the process keeps its peak heap for good
+GLIBC_TUNED = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+DEFAULT_CONFIGS = "base,tcmalloc,jemalloc,bind,affinity,passive,active,spin10k,iomp5,tc+bind,tc+passive"
 
 
 def iomp5() -> Path | None:
@@ -57,17 +65,18 @@ def config_env(name: str, threads: int) -> dict[str, str] | None:
     cores = f"0-{threads - 1}" if threads > 1 else "0"
     table: dict[str, dict[str, str | Path | None]] = {
         "base": {},
-        "tcmalloc": {"LD_PRELOAD": TCMALLOC if TCMALLOC.exists() else None},
-        "jemalloc": {"LD_PRELOAD": JEMALLOC if JEMALLOC.exists() else None},
+        "tcmalloc": {"LD_PRELOAD": TCMALLOC},
+        "jemalloc": {"LD_PRELOAD": JEMALLOC},
         "bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
         "affinity": {"GOMP_CPU_AFFINITY": cores},
         "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
         "active": {"OMP_WAIT_POLICY": "ACTIVE"},
         "iomp5": {"LD_PRELOAD": iomp5()},
-        "tc+bind": {"LD_PRELOAD": TCMALLOC if TCMALLOC.exists() else None,
-                    "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+        "tc+bind": {"LD_PRELOAD": TCMALLOC, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
         "spin10k": {"GOMP_SPINCOUNT": "10000"},
-        "tc+passive": {"LD_PRELOAD": TCMALLOC if TCMALLOC.exists() else None, "OMP_WAIT_POLICY": "PASSIVE"},
+        "tc+passive": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE"},
+        "glibc-tuned": {"GLIBC_TUNABLES": GLIBC_TUNED},
+        "gt+passive": {"GLIBC_TUNABLES": GLIBC_TUNED, "OMP_WAIT_POLICY": "PASSIVE"},
     }
     env = table[name]
     if any(v is None for v in env.values()):
@@ -102,16 +111,21 @@ def worker(args: argparse.Namespace) -> None:
     ns = argparse.Namespace(threads=args.threads, model_dir=args.model_dir, mode="eager", budget=512,
                             max_num_seqs=64, output_len=args.output_len)
     seconds, tokens = vs_vllm._worker_ladle(ns, prompts)
+    # whole-process CPU time and page faults (load, warm-up and timed generate): the CPU time a config
+    # costs is less disturbed by other jobs than its wall time
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "libs": mapped_libraries(),
-                                          "affinity": thread_affinities()}))
+                                          "affinity": thread_affinities(), "user_s": ru.ru_utime,
+                                          "sys_s": ru.ru_stime, "minflt": ru.ru_minflt}))
 
 
 # -- orchestration --------------------------------------------------------------------------------
 def run_one(name: str, env_extra: dict[str, str], threads: int, model_dir: Path, prompts_file: Path,
             work: Path, output_len: int) -> dict:
     out = work / f"{name}-{threads}-{time.monotonic_ns()}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD"))}
-    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", LADLE_STARTUP="0", **env_extra)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_", "LADLE_"))}
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", **env_extra)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir),
            "--prompts", str(prompts_file), "--threads", str(threads), "--out", str(out),
            "--output-len", str(output_len)]
@@ -125,8 +139,8 @@ def measure(args: argparse.Namespace, threads: int, names: list[str], model_dir:
             work: Path) -> dict[str, dict]:
     import benchutil
 
-    res: dict[str, dict] = {n: {"times": [], "ratios": [], "tokens": None, "libs": None, "affinity": None}
-                            for n in names}
+    res: dict[str, dict] = {n: {"times": [], "ratios": [], "user": [], "sys": [], "minflt": [], "tokens": None,
+                                "libs": None, "affinity": None} for n in names}
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         got = {}
@@ -134,8 +148,11 @@ def measure(args: argparse.Namespace, threads: int, names: list[str], model_dir:
             r = run_one(name, config_env(name, threads), threads, model_dir, prompts_file, work, args.output_len)
             got[name] = r["seconds"]
             res[name]["times"].append(r["seconds"])
+            for key, field in (("user", "user_s"), ("sys", "sys_s"), ("minflt", "minflt")):
+                res[name][key].append(r[field])
             res[name].update(tokens=r["tokens"], libs=r["libs"], affinity=r["affinity"])
-            print(f"  threads={threads} rep {rep}: {name:9s} {r['seconds']:6.2f} s  libs={r['libs']} "
+            print(f"  threads={threads} rep {rep}: {name:10s} {r['seconds']:6.2f} s  cpu {r['user_s']:6.1f} user "
+                  f"{r['sys_s']:5.1f} sys  {r['minflt'] / 1e6:.2f}M faults  libs={r['libs']} "
                   f"affinity={sorted(set(r['affinity']))} load={benchutil.load_average()}", flush=True)
         if "base" in got:
             for name in names:
@@ -153,8 +170,10 @@ def table_rows(threads: int, res: dict[str, dict]) -> list[list[object]]:
         ratios = sorted(r["ratios"])
         same = "-" if base_tokens is None else f"{sum(a == b for a, b in zip(r['tokens'], base_tokens))}/{len(base_tokens)}"
         rows.append([threads, name, " / ".join(f"{t:.1f}" for t in ts),
-                     f"{benchutil.median(ratios):.3f}x" if ratios else "-",
-                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-", same])
+                     f"{benchutil.median(ratios):.2f}x" if ratios else "-",
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-",
+                     f"{benchutil.median(r['user']):.1f} / {benchutil.median(r['sys']):.1f}",
+                     f"{benchutil.median(r['minflt']) / 1e6:.2f}M", same])
     return rows
 
 
@@ -177,13 +196,13 @@ def orchestrate(args: argparse.Namespace) -> None:
         for n in args.configs.split(","):
             if config_env(n, threads) is None:
                 print(f"  {n}: its library is not on this machine; skipped")
-            elif threads == 1 and n in ("passive", "active", "spin10k"):
+            elif threads == 1 and n in ("passive", "active", "spin10k", "gt+passive"):
                 print(f"  {n}: no OpenMP worker threads at threads=1; skipped")
             else:
                 names.append(n)
         rows += table_rows(threads, measure(args, threads, names, model_dir, prompts_file, work))
     headers = ["threads", "config", "seconds (sorted)", "speed vs base (median of per-repeat ratios)",
-               "ratio range", "tokens = base"]
+               "ratio range", "CPU s user / sys (median, whole process)", "page faults (median)", "tokens = base"]
     table = benchutil.markdown_table(headers, rows)
     load1 = benchutil.load_average()
     print(table)
