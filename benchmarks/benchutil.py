@@ -38,6 +38,7 @@ SECTIONS = [
     ("profile_ops", "5b. The vs_vllm workload by op, before and after (issue 21)"),
     ("attention_cpu", "8. CPU attention: the cpu_paged kernel"),
     ("fused_cpu", "9. Fused CPU elementwise kernels: the torch ops vs cpu_fused"),
+    ("startup_runtime", "10. Runtime start-up: malloc, OpenMP wait policy, thread binding, Intel OpenMP"),
     ("deterministic", "7. The cost of deterministic=true"),
     ("refactor", "6. The engine/runner refactor (issue 19): host overhead and throughput before and after"),
     ("gpu", "GPU"),

@@ -17,6 +17,8 @@ import math
 import os
 from pathlib import Path
 
+from runner.startup import runtime_info
+
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -93,4 +95,5 @@ def apply_threads(requested: int | None) -> dict[str, object]:
                     "each other at every op; threads=null picks the free cores", n, cores)
     torch.set_num_threads(n)
     rule = "threads (set)" if requested is not None else "available cores - 1-minute load average, >= 1"
-    return {"threads": n, "available_cores": cores, "rule": rule}
+    # the malloc and OpenMP settings this process runs with (the CLI's start-up step, runner/startup.py)
+    return {"threads": n, "available_cores": cores, "rule": rule, "runtime": runtime_info()}

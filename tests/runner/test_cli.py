@@ -76,7 +76,13 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "runner", f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
+    # a handled SIGINT instead (exec resets a handler to the default), as a terminal's Ctrl-C finds it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     tmp = out / "generations.parquet.tmp"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:

@@ -1,0 +1,78 @@
+"""The CLI proper (`python -m runner` / `ladle`, entered through runner/__main__.py after the start-up
+step): run a job from the Hydra config tree in conf/ (see docs/RUNNER.md).
+
+    python -m runner                                          # tiny model, the shipped sample prompts
+    python -m runner model=qwen3_4b chunking.size=256
+    python -m runner --multirun chunking.size=128,512,1024    # + sweep report at the sweep root
+    python -m runner workload=parquet workload.path=questions.parquet workload.prompt_column=question
+
+The config tree lives at the repository root (conf/); its path is found relative to this package, so
+it works from any directory, from an editable install (`pip install -e .`) and as the `ladle` script.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from runner.config import CONF_DIR, ConfigError, register_configs
+
+log = logging.getLogger("ladle")
+
+register_configs()
+
+if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken install
+    sys.exit(f"ladle: the config tree is missing (looked for {CONF_DIR / 'config.yaml'}); "
+             "install ladle from its repository with `pip install -e .`")
+
+
+CONFIG_ERROR_EXIT = 2  # a config (or data path) the user must fix; 130 = interrupted; 1 = a crash
+_task_started = False  # Hydra exits 1 on its own config errors: before any task ran, that means config
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # finalise the outputs as Ctrl-C does
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
+    from runner.job import run_job
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
+        if hc.mode == RunMode.MULTIRUN:
+            shared = Path(hc.sweep.dir) / "calibration.json"
+        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
+    except ConfigError as e:
+        print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
+        sys.exit(CONFIG_ERROR_EXIT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.interrupted:
+        sys.exit(130)
+
+
+def main() -> None:
+    from runner.cli_warnings import install
+
+    install()  # ladle's warnings on one line each (`ladle: warning: ...`)
+    try:
+        _main()
+    except SystemExit as e:
+        # Hydra prints its own composition errors (unknown key or group option, bad override syntax)
+        # once and exits 1; those are config errors too, so they exit like ladle's own.
+        if e.code == 1 and not _task_started:
+            sys.exit(CONFIG_ERROR_EXIT)
+        raise

@@ -1,0 +1,159 @@
+"""The CLI's start-up step: the process-level runtime settings that must be in place before torch loads.
+
+`python -m runner` / `ladle` calls `prepare()` first thing, before torch (and with it torch's OpenMP
+runtime, GNU libgomp) is imported; libgomp reads its environment once, when it is loaded, and a malloc
+must be in place before the first allocation, so neither can be changed later in the process.
+What it does (measured in docs/benchmarks.md, "Runtime start-up"):
+
+- OpenMP wait policy: `OMP_WAIT_POLICY=PASSIVE`. libgomp's default keeps an idle worker thread spinning
+  between parallel regions; when the cores are shared (other jobs, or ladle's own Python thread between
+  ops) the spinning thread steals the core the next op needs. Set only when the user has not set it.
+- malloc: tcmalloc, when installed (Debian: `apt-get install libtcmalloc-minimal4`) and LD_PRELOAD is
+  empty: the process re-executes itself once with `LD_PRELOAD=<libtcmalloc_minimal.so.4>`. The marker
+  `LADLE_STARTUP_EXEC` in the environment stops a second exec; a user's own LD_PRELOAD, or glibc malloc
+  settings (MALLOC_*, GLIBC_TUNABLES=glibc.malloc...), are left alone and nothing is preloaded.
+  Without tcmalloc ladle runs on glibc's malloc and says so once.
+- no thread binding (OMP_PROC_BIND / GOMP_CPU_AFFINITY): ladle picks fewer threads than cores when the
+  machine is busy (runner/threads.py), and a thread pinned to a busy core cannot move to the idle one.
+
+One line on stderr says what was done (`ladle: runtime: ...`); summary.json records it (`cpu_threads.runtime`).
+`LADLE_STARTUP=0` (or off/false/no) turns the whole step off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SWITCH = "LADLE_STARTUP"  # 0/off/false/no: do nothing
+MARKER = "LADLE_STARTUP_EXEC"  # set for the re-executed process: it never executes itself again
+OFF = {"0", "off", "false", "no"}
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+MALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+INSTALL_HINT = "apt-get install libtcmalloc-minimal4"
+
+
+def library_dirs() -> list[Path]:
+    """Where a system library may be: the multiarch dir (Debian/Ubuntu), the usual others, the venv's."""
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    dirs = [Path("/usr/lib") / multiarch, Path("/lib") / multiarch] if multiarch else []
+    return dirs + [Path("/usr/lib64"), Path("/usr/lib"), Path("/usr/local/lib"), Path(sys.prefix) / "lib"]
+
+
+def find_malloc(dirs: Sequence[Path] | None = None) -> Path | None:
+    """The first tcmalloc found (MALLOC_NAMES in order, dir by dir), None when it is not installed."""
+    for name in MALLOC_NAMES:
+        for d in library_dirs() if dirs is None else dirs:
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the step does: variables to set, whether to re-execute, and the words of its one line."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    reexec: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return "ladle: runtime: " + "; ".join(self.notes)
+
+
+def is_off(environ: Mapping[str, str]) -> bool:
+    return environ.get(SWITCH, "").strip().lower() in OFF
+
+
+def _glibc_malloc_tuning(environ: Mapping[str, str]) -> str:
+    """The user's own glibc malloc settings (MALLOC_*_ variables, glibc.malloc tunables), '' when none:
+    a user tuning glibc's malloc does not want it replaced."""
+    names = sorted(k for k in environ if k.startswith("MALLOC_"))
+    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        names.append("GLIBC_TUNABLES")
+    return ", ".join(names)
+
+
+def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.platform) -> Plan:
+    """The step for this environment; pure (the tests drive it with fake environments)."""
+    if is_off(environ):
+        return Plan(notes=[f"start-up step off ({SWITCH}={environ[SWITCH]})"])
+    if MARKER in environ:  # the re-executed process: the parent set everything; report it
+        return Plan(notes=environ[MARKER].split("|"))
+    p = Plan()
+    for key, value in OMP_ENV.items():
+        if key in environ:
+            p.notes.append(f"{key}={environ[key]} (yours)")
+        else:
+            p.env[key] = value
+            p.notes.append(f"{key}={value}")
+    if platform != "linux":
+        p.notes.append("system malloc (LD_PRELOAD is Linux only)")
+    elif environ.get("LD_PRELOAD"):
+        p.notes.append(f"LD_PRELOAD={environ['LD_PRELOAD']} (yours)")
+    elif tuned := _glibc_malloc_tuning(environ):
+        p.notes.append(f"glibc malloc as you tuned it ({tuned})")
+    elif malloc is None:
+        p.notes.append(f"glibc malloc (tcmalloc is not installed: {INSTALL_HINT})")
+    else:
+        p.notes.append(f"tcmalloc preloaded ({malloc})")
+        p.env["LD_PRELOAD"] = str(malloc)
+        p.env[MARKER] = "|".join(p.notes)
+        p.reexec = True
+    return p
+
+
+def mapped(name_part: str, maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether a library whose file name contains `name_part` is mapped into this process."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return False
+    return any(name_part in os.path.basename(line.split()[-1]) for line in text.splitlines() if "/" in line)
+
+
+def runtime_info(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """What this process runs with (summary.json's `cpu_threads.runtime`)."""
+    environ = os.environ if environ is None else environ
+    return {
+        "malloc": next((m for m in ("tcmalloc", "jemalloc") if mapped(m)), "system"),
+        "omp": {k: environ[k] for k in sorted(environ) if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+        "startup_step": "off" if is_off(environ) else "on",
+    }
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def prepare(argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | None = None,
+            execve: Callable[[str, list[str], Mapping[str, str]], object] = os.execve,
+            malloc: Path | None = None, torch_loaded: bool | None = None, maps: Path = Path("/proc/self/maps"),
+            say: Callable[[str], object] = _say) -> Plan:
+    """Apply the plan to this process: set the variables, re-execute once if a preload is due, else print
+    the one line. Must run before torch is imported (else the OpenMP settings would be too late)."""
+    environ = os.environ if environ is None else environ
+    if is_off(environ):
+        return plan(environ, None)  # silent: the user asked for nothing
+    if torch_loaded is None:
+        torch_loaded = "torch" in sys.modules
+    if torch_loaded:
+        p = Plan(notes=["torch was imported before the start-up step: OpenMP and malloc left as they are"])
+        say(p.line())
+        return p
+    p = plan(environ, malloc if malloc is not None else find_malloc())
+    environ.update(p.env)
+    if p.reexec:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        execve(sys.executable, list(sys.orig_argv if argv is None else argv), environ)
+        return p  # only a fake execve returns
+    if MARKER in environ and "tcmalloc" in environ.get("LD_PRELOAD", "") and not mapped("tcmalloc", maps):
+        p.notes = [n for n in p.notes if not n.startswith("tcmalloc preloaded")]
+        p.notes.append("glibc malloc (tcmalloc could not be preloaded: see the loader's message above)")
+    say(p.line())
+    return p
