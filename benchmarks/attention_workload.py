@@ -38,14 +38,22 @@ def record_schedule() -> list[tuple[list[int], list[int]]]:
 
     model_dir = Path(tempfile.mkdtemp(prefix="attention-workload-"))
     torch.manual_seed(0)
-    arch = dict(vs_vllm.ARCH, hidden_size=128, intermediate_size=256, num_hidden_layers=1, head_dim=8)
+    # Two layers: the last one attends only with the rows that are read (AttentionMetadata.outputs);
+    # the first is every layer before it, the full schedule kept here.
+    arch = dict(vs_vllm.ARCH, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=8)
     Qwen3ForCausalLM(Qwen3Config(**arch)).save_pretrained(model_dir, safe_serialization=True)
     prompts = vs_vllm.make_prompts(32, 12000, 0, arch["vocab_size"])
     forwards: list[tuple[list[int], list[int]]] = []
     kernel = cpu_paged.cpu_paged_attention
 
+    first_layer: list[AttentionMetadata] = []
+
     def recording(q, k, v, kv_cache, meta, **kw):
-        forwards.append((meta.query_start_loc.diff().tolist(), meta.seq_lens.tolist()))
+        prev = first_layer[-1] if first_layer else None
+        last_layer = prev is not None and (meta is prev or (prev.outputs is not None and meta is prev.outputs.meta))
+        if not last_layer:
+            first_layer.append(meta)
+            forwards.append((meta.query_start_loc.diff().tolist(), meta.seq_lens.tolist()))
         return kernel(q, k, v, kv_cache, meta, **kw)
 
     cpu_paged.cpu_paged_attention = recording

@@ -99,7 +99,11 @@ def worker_main(args: argparse.Namespace) -> None:
         import vllm
 
         version = f"vLLM {vllm.__version__}, torch {version}"
-    Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "version": version}))
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    malloc = next((m for m in ("tcmalloc", "jemalloc") if m in maps), "system")
+    runtime = f"{malloc} malloc, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "version": version,
+                                          "runtime": runtime}))
 
 
 # -- orchestration (ladle's venv) ----------------------------------------------------------------
@@ -137,6 +141,12 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
     out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    if system == "ladle" and not args.no_startup:
+        # What ladle's CLI does before torch loads (runner/startup.py): vLLM's CPU platform likewise
+        # preloads its bundled tcmalloc in its worker, so each system runs as it ships.
+        from runner import startup
+
+        env.update(startup.plan(env, startup.find_malloc()).env)
     if system == "vllm":
         # vLLM-CPU binds its OpenMP threads to these cores; its KV cache gets a fixed 4 GiB.
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
@@ -181,6 +191,7 @@ def orchestrate(args: argparse.Namespace) -> None:
           f"load: {load_before}")
     rows = []
     versions: dict[str, str] = {}
+    runtimes: dict[str, str] = {}
     for mode in args.modes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:
             times: dict[str, list[float]] = {"ladle": [], "vllm": []}
@@ -196,6 +207,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                     times[system].append(res["seconds"])
                     tokens[system] = res["tokens"]
                     versions[system] = res["version"]
+                    runtimes[system] = res.get("runtime", "?")
                     print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s", flush=True)
                 ratios.append(got["vllm"] / got["ladle"])
             same, first = compare(tokens["ladle"], tokens["vllm"])
@@ -218,7 +230,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                 f"max_num_seqs {args.max_num_seqs}, prefix caching off; one process per measurement (warm-up "
                 f"generate, then the timed one), systems alternated; vLLM binds its OpenMP threads to cores "
                 f"0..threads-1.\n- Machine: {machine['cpu']}, {machine['cores']} cores; ladle on torch "
-                f"{versions.get('ladle')}, the peer {versions.get('vllm')}.\n- Load average (1/5/15 min) at the "
+                f"{versions.get('ladle')} ({runtimes.get('ladle')}), the peer {versions.get('vllm')} "
+                f"({runtimes.get('vllm')}).\n- Load average (1/5/15 min) at the "
                 f"start: {load_before}; at the end: {load_after}.\n\n{table}\n")
         benchutil.write_docs_section("vs_vllm", body)
 
@@ -241,6 +254,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", help="the vLLM venv's python (default: peer/bin/python, LADLE_PEER_PYTHON)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
+    p.add_argument("--no-startup", action="store_true",
+                   help="run ladle's worker without the CLI's start-up step (runner/startup.py)")
     p.add_argument("--write-docs", action="store_true")
     p.add_argument("--quick", action="store_true", help="8 prompts, 2,000 tokens, 8 output tokens, 1 repeat")
     args = p.parse_args()
