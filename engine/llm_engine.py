@@ -76,6 +76,12 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return
+        if any(r is req for r in self._refused):
+            # Refused at add_request, its error not reported yet: aborting drops that report too, so the
+            # id is free again and nothing is left unfinished (a job interrupted before its first step).
+            self._refused = [r for r in self._refused if r is not req]
+            self.updater.release(req)
+            return
         for r in n_samples.sequences(req):
             if not r.finished:
                 self.updater.finish(r, "abort", self.clock.now())

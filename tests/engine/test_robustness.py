@@ -122,6 +122,22 @@ def test_duplicate_request_id_is_refused(path):
         eng.add_request([5, 6], GREEDY, request_id="x")
 
 
+def test_aborting_a_refused_request_before_any_step_frees_its_id(path):
+    # A job interrupted before its first step aborts what it added, refused requests included: their
+    # id must be free for the resume and nothing left unfinished (found by tests/runner/test_fuzz_job.py).
+    eng = make_engine(path)
+    eng.add_request([], GREEDY, request_id="x")  # refused: an empty prompt
+    eng.add_request([5, 6], SamplingParams(max_tokens=2, n=2), request_id="y")
+    assert eng.has_unfinished_requests()
+    eng.abort_request("x")
+    eng.abort_request("y")
+    assert not eng.has_unfinished_requests()
+    assert eng.step() == []  # the refused request's error is not reported after its abort
+    eng.add_request([], GREEDY, request_id="x")  # the id is free again
+    done = run_to_completion(eng)
+    assert done["x"].finish_reason == "error" and list(done) == ["x"]
+
+
 @pytest.mark.parametrize(
     "overrides,needle",
     [
