@@ -171,3 +171,85 @@ def test_cli_opt_out(tmp_path):
     p, runtime = _cli(tmp_path, LADLE_STARTUP="0")
     assert "ladle: runtime:" not in p.stderr
     assert runtime == {"malloc": "system", "omp": {}, "startup_step": "off"}
+
+
+# -- review: ways the re-exec could break (tests/runner/test_startup.py) -------------------------------
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD", "LADLE_", "MALLOC_", "GLIBC_TUNABLES"))}
+    env.update(**extra)
+    return env
+
+
+def test_a_program_read_from_stdin_runs_without_restarting(tmp_path):
+    """`python - <<EOF ... main() EOF`: a restart would read the (consumed) stdin again and run nothing,
+    exiting 0 without a word; the step must leave the malloc alone there and let the program go on."""
+    fake = tmp_path / "libtcmalloc_minimal.so.4"
+    fake.write_bytes(b"")  # never loaded: the program must not be restarted at all
+    program = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path\n"
+               f"from runner.startup import prepare\nprepare(malloc=Path({str(fake)!r}))\n"
+               "print('the job ran', file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-"], input=program, env=_clean_env(), capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert p.returncode == 0 and "the job ran" in p.stderr, p.stderr
+    assert "cannot be preloaded" not in p.stderr  # no restart happened
+    assert "OMP_WAIT_POLICY=PASSIVE" in p.stderr and "glibc malloc" in p.stderr
+
+
+def test_a_failed_preload_is_not_passed_on_to_subprocesses():
+    """The restarted process found tcmalloc not mapped (wrong architecture, a damaged file): every program
+    it starts would print the loader's error again, so LD_PRELOAD leaves its environment."""
+    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    _p, calls, said = run_prepare(env, maps=_maps_with(Path("/usr/lib/libc.so.6")))
+    assert calls == [] and "glibc malloc (tcmalloc could not be preloaded" in said[0]
+    assert "LD_PRELOAD" not in env and env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_the_marker_does_not_reach_subprocesses():
+    """The marker is for the restarted process alone: left in the environment, a ladle started by the job
+    (a script, a launcher) would print the parent's words whatever its own settings are."""
+    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    _p, _calls, said = run_prepare(env, maps=_maps_with(TC))
+    assert said == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE; tcmalloc preloaded ({TC})"]
+    assert MARKER not in env and env["LD_PRELOAD"] == str(TC)
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a ladle the job starts, with a setting of its own
+    _p, calls, said = run_prepare(env, maps=_maps_with(TC))
+    assert calls == [] and said[0].startswith("ladle: runtime: OMP_WAIT_POLICY=ACTIVE (yours)"), said
+
+
+def test_a_failed_exec_runs_on_without_the_preload():
+    """execve can fail (no usable sys.executable in an embedded interpreter, E2BIG): the job still runs,
+    on glibc's malloc, and neither LD_PRELOAD nor the marker is left for its subprocesses."""
+    def failing(path, argv, env):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    env: dict[str, str] = {}
+    said: list[str] = []
+    p = prepare(argv=["x"], environ=env, execve=failing, malloc=TC, torch_loaded=False,
+                maps=Path("/nonexistent"), say=said.append)
+    assert not p.reexec and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert len(said) == 1 and "glibc malloc (could not restart" in said[0], said
+
+
+@pytest.mark.parametrize("where", ["/opt/My Envs/lib", "/opt/a:b/lib"])
+def test_a_path_the_loader_would_split_is_not_preloaded(where):
+    """LD_PRELOAD is split at spaces and colons (no escaping): such a path would preload nothing and make
+    every subprocess print the loader's error."""
+    p = plan({}, Path(where) / "libtcmalloc_minimal.so.4", platform="linux")
+    assert not p.reexec and "LD_PRELOAD" not in p.env and "glibc malloc" in p.notes[-1]
+
+
+def test_startup_step_is_not_on_when_it_did_not_run(monkeypatch):
+    """summary.json's startup_step says whether this process went through the step: a job run through the
+    Python API (runner.job.run_job), or with torch imported first, did not."""
+    monkeypatch.setattr(startup, "_applied", False, raising=False)
+    assert runtime_info({})["startup_step"] == "not run"
+    env: dict[str, str] = {}
+    prepare(argv=["x"], environ=env, execve=FakeExec(), malloc=TC, torch_loaded=True, say=lambda s: None)
+    assert runtime_info(env)["startup_step"] == "not run"
+    prepare(argv=["x"], environ=env, execve=FakeExec(), malloc=None, torch_loaded=False,
+            maps=Path("/nonexistent"), say=lambda s: None)
+    assert runtime_info(env)["startup_step"] == "on"
