@@ -146,8 +146,9 @@ def test_plan_line():
 
 
 def _cli(tmp_path: Path, **extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    # the caller's glibc malloc settings (MALLOC_ARENA_MAX is common in containers) would stop the preload
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD", "LADLE_"))}
+           if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD", "LADLE_", "MALLOC_", "GLIBC_TUNABLES"))}
     env.update(PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="0", **extra)
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "runner", f"hydra.run.dir={out}", "workload.limit=1",
