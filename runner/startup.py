@@ -10,9 +10,11 @@ What it does (measured in docs/benchmarks.md, "Runtime start-up"):
   ops) the spinning thread steals the core the next op needs. Set only when the user has not set it.
 - malloc: tcmalloc, when installed (Debian: `apt-get install libtcmalloc-minimal4`) and LD_PRELOAD is
   empty: the process re-executes itself once with `LD_PRELOAD=<libtcmalloc_minimal.so.4>`. The marker
-  `LADLE_STARTUP_EXEC` in the environment stops a second exec; a user's own LD_PRELOAD, or glibc malloc
-  settings (MALLOC_*, GLIBC_TUNABLES=glibc.malloc...), are left alone and nothing is preloaded.
-  Without tcmalloc ladle runs on glibc's malloc and says so once.
+  `LADLE_STARTUP_EXEC` in the environment stops a second exec (the restarted process removes it, and
+  LD_PRELOAD too when the preload failed, so the programs it starts begin afresh); a user's own LD_PRELOAD,
+  or glibc malloc settings (MALLOC_*, GLIBC_TUNABLES=glibc.malloc...), are left alone and nothing is
+  preloaded. Without tcmalloc, a program that cannot be restarted (read from stdin), a path LD_PRELOAD
+  cannot hold or a failed exec, ladle runs on glibc's malloc and says so once.
 - no thread binding (OMP_PROC_BIND / GOMP_CPU_AFFINITY): ladle picks fewer threads than cores when the
   machine is busy (runner/threads.py), and a thread pinned to a busy core cannot move to the idle one.
 
@@ -78,7 +80,18 @@ def _glibc_malloc_tuning(environ: Mapping[str, str]) -> str:
     return ", ".join(names)
 
 
-def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.platform) -> Plan:
+def restartable() -> bool:
+    """Whether this process can be started again from its command line: not a program read from stdin or
+    typed at the prompt (its text is gone: a restart would run nothing, and exit 0)."""
+    main = sys.modules.get("__main__")
+    file = getattr(main, "__file__", None)
+    if file == "<stdin>":
+        return False
+    return file is not None or getattr(main, "__spec__", None) is not None or "-c" in sys.orig_argv[1:]
+
+
+def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.platform,
+         can_restart: bool = True) -> Plan:
     """The step for this environment; pure (the tests drive it with fake environments)."""
     if is_off(environ):
         return Plan(notes=[f"start-up step off ({SWITCH}={environ[SWITCH]})"])
@@ -99,6 +112,10 @@ def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.pl
         p.notes.append(f"glibc malloc as you tuned it ({tuned})")
     elif malloc is None:
         p.notes.append(f"glibc malloc (tcmalloc is not installed: {INSTALL_HINT})")
+    elif not can_restart:
+        p.notes.append("glibc malloc (preloading tcmalloc restarts the program, and one read from stdin cannot be)")
+    elif any(c in str(malloc) for c in " :"):  # LD_PRELOAD splits at both, with no escaping
+        p.notes.append(f"glibc malloc (LD_PRELOAD cannot name {malloc}: it has a space or a colon)")
     else:
         p.notes.append(f"tcmalloc preloaded ({malloc})")
         p.env["LD_PRELOAD"] = str(malloc)
@@ -145,15 +162,27 @@ def prepare(argv: Sequence[str] | None = None, environ: MutableMapping[str, str]
         p = Plan(notes=["torch was imported before the start-up step: OpenMP and malloc left as they are"])
         say(p.line())
         return p
-    p = plan(environ, malloc if malloc is not None else find_malloc())
+    p = plan(environ, malloc if malloc is not None else find_malloc(), can_restart=argv is not None or restartable())
+    if MARKER in environ:  # the restarted process: the marker's job is done, subprocesses start afresh
+        del environ[MARKER]
+        if "tcmalloc" in environ.get("LD_PRELOAD", "") and not mapped("tcmalloc", maps):
+            del environ["LD_PRELOAD"]  # else every program the job starts prints the loader's error again
+            _drop_preload(p, "glibc malloc (tcmalloc could not be preloaded: see the loader's message above)")
     environ.update(p.env)
     if p.reexec:
         sys.stdout.flush()
         sys.stderr.flush()
-        execve(sys.executable, list(sys.orig_argv if argv is None else argv), environ)
-        return p  # only a fake execve returns
-    if MARKER in environ and "tcmalloc" in environ.get("LD_PRELOAD", "") and not mapped("tcmalloc", maps):
-        p.notes = [n for n in p.notes if not n.startswith("tcmalloc preloaded")]
-        p.notes.append("glibc malloc (tcmalloc could not be preloaded: see the loader's message above)")
+        try:
+            execve(sys.executable, list(sys.orig_argv if argv is None else argv), environ)
+            return p  # only a fake execve returns
+        except OSError as e:  # e.g. no usable sys.executable (an embedded interpreter): run on glibc's malloc
+            for key in ("LD_PRELOAD", MARKER):
+                environ.pop(key, None)
+            p.reexec = False
+            _drop_preload(p, f"glibc malloc (could not restart to preload tcmalloc: {e})")
     say(p.line())
     return p
+
+
+def _drop_preload(p: Plan, note: str) -> None:
+    p.notes = [n for n in p.notes if not n.startswith("tcmalloc preloaded")] + [note]
