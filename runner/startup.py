@@ -139,8 +139,11 @@ def runtime_info(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     return {
         "malloc": next((m for m in ("tcmalloc", "jemalloc") if mapped(m)), "system"),
         "omp": {k: environ[k] for k in sorted(environ) if k.startswith(("OMP_", "GOMP_", "KMP_"))},
-        "startup_step": "off" if is_off(environ) else "on",
+        "startup_step": "off" if is_off(environ) else "on" if _applied else "not run",
     }
+
+
+_applied = False  # whether prepare() set this process up (summary.json's startup_step)
 
 
 def _say(line: str) -> None:
@@ -162,6 +165,8 @@ def prepare(argv: Sequence[str] | None = None, environ: MutableMapping[str, str]
         p = Plan(notes=["torch was imported before the start-up step: OpenMP and malloc left as they are"])
         say(p.line())
         return p
+    global _applied
+    _applied = True
     p = plan(environ, malloc if malloc is not None else find_malloc(), can_restart=argv is not None or restartable())
     if MARKER in environ:  # the restarted process: the marker's job is done, subprocesses start afresh
         del environ[MARKER]

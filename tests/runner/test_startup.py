@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
+@pytest.fixture(autouse=True)
+def _step_not_applied(monkeypatch):
+    """prepare() marks the process as set up (summary.json's startup_step): keep that to each test."""
+    monkeypatch.setattr(startup, "_applied", False)
+
+
 class FakeExec:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[str], dict[str, str]]] = []
@@ -137,7 +143,9 @@ def test_mapped_and_runtime_info(tmp_path):
     assert mapped("tcmalloc", maps) and not mapped("jemalloc", maps)
     assert not mapped("tcmalloc", tmp_path / "missing")
     info = runtime_info({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "PATH": "/bin"})
-    assert info["omp"] == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"} and info["startup_step"] == "on"
+    assert info["omp"] == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"} and info["startup_step"] == "not run"
+    startup._applied = True  # after prepare()
+    assert runtime_info({})["startup_step"] == "on"
     assert runtime_info({SWITCH: "0"})["startup_step"] == "off"
 
 
@@ -246,7 +254,6 @@ def test_a_path_the_loader_would_split_is_not_preloaded(where):
 def test_startup_step_is_not_on_when_it_did_not_run(monkeypatch):
     """summary.json's startup_step says whether this process went through the step: a job run through the
     Python API (runner.job.run_job), or with torch imported first, did not."""
-    monkeypatch.setattr(startup, "_applied", False, raising=False)
     assert runtime_info({})["startup_step"] == "not run"
     env: dict[str, str] = {}
     prepare(argv=["x"], environ=env, execve=FakeExec(), malloc=TC, torch_loaded=True, say=lambda s: None)
