@@ -29,16 +29,15 @@ SOURCE = r"""
 #ifndef LADLE_TILE
 #define LADLE_TILE 32
 #endif
-// The blocked score micro-kernel: up to RV row vectors (16 query rows each) x KJ keys per call, two
-// sets of RV x KJ accumulators live (the upper levels of the score tree go through L1). Measured with
-// 32 registers of 16 lanes: 3 x 4 ~15% faster than 2 x 4, 2 x 2 ~30% slower.
+// The blocked score micro-kernel: up to RV row vectors (16 query rows each) x KJ keys per call, RV x KJ
+// accumulators live in registers (plus RV query vectors and one broadcast key element).
 #ifndef LADLE_BLOCK_RV
 #if defined(__AVX512F__)
 #define LADLE_BLOCK_RV 3
-#define LADLE_BLOCK_KJ 4
+#define LADLE_BLOCK_KJ 8
 #else
 #define LADLE_BLOCK_RV 1
-#define LADLE_BLOCK_KJ 2
+#define LADLE_BLOCK_KJ 4
 #endif
 #endif
 #ifndef LADLE_ROWWISE_MAX
@@ -544,46 +543,47 @@ struct Scratch {
 inline int round16(int d) { return (d + 15) / 16 * 16; }
 
 // ---------------------------------------------------------------- scores
-// The score of query row r and key j, whichever layout computes it:
-//   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
-//         per c in increasing c (dimensions past head_dim are zeros);
-//   s   = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4}, T_l = P_l + P_{l+8} (vhsum's tree).
-// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; blocked (many
-// rows: prefill chunks) runs lanes over query rows: the block's queries are transposed once per work
-// item, the tile's key rows copied into a contiguous buffer, and each key element is broadcast to 16
-// rows. Same operations, same bits.
+// The score of query row r and key j, whichever layout computes it: one fused multiply-add per
+// dimension, in increasing d, from +0:
+//   s = fma(q[r][D-1], k[j][D-1], ... fma(q[r][1], k[j][1], fma(q[r][0], k[j][0], +0)))
+// (a single chain per (row, key): no partial sums, no tree). Row-wise (few rows: decodes) runs lanes
+// over 16 keys: the tile's keys are transposed once per head and each query element is broadcast.
+// Blocked (many rows: prefill chunks) runs lanes over 16 query rows: the block's queries are
+// transposed once per work item, the tile's key rows copied into a contiguous buffer, and each key
+// element is broadcast to 16 rows. Each lane does the same chain of operations: the same bits.
 
-// Row-wise: N rows against the keys [ks, ke) at krow; 16 (row, key) partial vectors at a time are
-// reduced together (fold16) and scattered to s [N][TILE].
+// Row-wise: N query rows (qp, dp apart) against the keys [ks, ke) of a tile (rows at krow; zeros for
+// the other keys), lanes over 16 keys: each 16 keys x 16 dimensions block is transposed in registers
+// and its 16 dimensions go straight into the rows' chains. Scores to s [N][TILE]. Requests `pf` lines as
+// it goes (a tile's worth of keys spread over the blocks' loads: a burst fills the miss buffers).
 template <int N, class KT>
 inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
                        Prefetcher& pf) {
-  const int nc = (d_len + 15) / 16;
-  V buf[16];
-  int32_t dst[16];
-  int cnt = 0;
-  auto flush = [&]() {
-    for (int i = cnt; i < 16; ++i) buf[i] = vzero();
-    alignas(64) float out[16];
-    vstore(out, fold16(buf));
-    for (int i = 0; i < cnt; ++i) s[dst[i]] = out[i];
-    cnt = 0;
-  };
-  for (int j = ks; j < ke; ++j) {
-    pf.issue(1);
+  const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE + 16 * blocks - 1) / (16 * blocks);
+  int credit = TILE;  // keys of the next tile still to request
+  for (int t = 0; t < TV; ++t) {
+    const int j0 = 16 * t;
     V acc[N];
     for (int r = 0; r < N; ++r) acc[r] = vzero();
-    for (int c = 0; c < nc; ++c) {
-      const V kv = load16(krow[j] + 16 * c, std::min(16, d_len - 16 * c));
-      for (int r = 0; r < N; ++r) acc[r] = vfma(vload(qp + size_t(r) * dp + 16 * c), kv, acc[r]);
+    if (j0 + 16 > ks && j0 < ke) {
+      for (int c = 0; c < d_len; c += 16) {
+        const int n = std::min(16, d_len - c);
+        V rows[16];
+        for (int i = 0; i < 16; ++i) {
+          const int j = j0 + i;
+          if (i % 4 == 0 && credit > 0) {
+            pf.issue(per_load);
+            credit -= per_load;
+          }
+          rows[i] = j >= ks && j < ke ? load16(krow[j] + c, n) : vzero();
+        }
+        transpose16(rows);
+        for (int i = 0; i < n; ++i)
+          for (int r = 0; r < N; ++r) acc[r] = vfma(vset(qp[size_t(r) * dp + c + i]), rows[i], acc[r]);
+      }
     }
-    for (int r = 0; r < N; ++r) {
-      buf[cnt] = acc[r];
-      dst[cnt] = r * TILE + j;
-      if (++cnt == 16) flush();
-    }
+    for (int r = 0; r < N; ++r) vstore(s + size_t(r) * TILE + j0, acc[r]);
   }
-  if (cnt) flush();
 }
 
 template <class KT, int N = ROWWISE_MAX_ROWS>
@@ -595,73 +595,45 @@ inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* kro
   }
 }
 
-// Blocked: R row vectors (16 rows each, transposed queries qt [Dp][BR]) x KJ key rows (Dp floats each,
-// NC 16-lane chunks: a compile-time count for the common head dims, else nc). Each T_l = P_l + P_{l+8}
-// is computed in registers and kept in L1, then the upper tree. Scores land key by key: key k's 16 R
-// lanes at st + k * BR.
-template <int R, int NC>
-struct BlockQK {
-  const float* qt;
-  const float* const* krow;
-  int nc;
-
-  LADLE_INLINE void partial(int l, V (&out)[R][KJ]) const {
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < KJ; ++k) out[r][k] = vzero();
-    const int n = NC ? NC : nc;
-    for (int c = 0; c < n; ++c) {
-      const int d = 16 * c + l;
-      V kb[KJ];
-      for (int k = 0; k < KJ; ++k) kb[k] = vset(krow[k][d]);
-      for (int r = 0; r < R; ++r) {
-        V qv = vload(qt + size_t(d) * BR + 16 * r);
-        LADLE_IN_REGISTER(qv);
-        for (int k = 0; k < KJ; ++k) out[r][k] = vfma(qv, kb[k], out[r][k]);
-      }
+// Blocked: R row vectors (16 rows each, transposed queries qt [Dp][BR]) x KJ key rows, all R x KJ
+// chains in registers. Scores land key by key: key k's 16 R lanes at st + k * BR.
+template <int R>
+LADLE_INLINE void qk_block_kernel(const float* qt, const float* const* krow, int d_len, float* st) {
+  V acc[R][KJ];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < KJ; ++k) acc[r][k] = vzero();
+  const float* kp[KJ];
+  for (int k = 0; k < KJ; ++k) kp[k] = krow[k];
+  for (int d = 0; d < d_len; ++d) {
+    V qv[R];
+    for (int r = 0; r < R; ++r) {
+      qv[r] = vload(qt + size_t(d) * BR + 16 * r);
+      LADLE_IN_REGISTER(qv[r]);
+    }
+    for (int k = 0; k < KJ; ++k) {
+      V kb = vset(kp[k][d]);
+      LADLE_IN_REGISTER(kb);
+      for (int r = 0; r < R; ++r) acc[r][k] = vfma(qv[r], kb, acc[r][k]);
     }
   }
-  inline void run(float* st) const {
-    alignas(64) float t[8][R][KJ][16];
-    for (int l = 0; l < 8; ++l) {
-      V x[R][KJ], y[R][KJ];
-      partial(l, x);
-      partial(l + 8, y);
-      for (int r = 0; r < R; ++r)
-        for (int k = 0; k < KJ; ++k) vstore(t[l][r][k], x[r][k] + y[r][k]);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < KJ; ++k) {
-        V u[8];
-        for (int l = 0; l < 8; ++l) u[l] = vload(t[l][r][k]);
-        for (int h = 4; h >= 1; h /= 2)  // U_l, W_l, s
-          for (int l = 0; l < h; ++l) u[l] = u[l] + u[l + h];
-        vstore(st + size_t(k) * BR + 16 * r, u[0]);
-      }
-  }
-};
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < KJ; ++k) vstore(st + size_t(k) * BR + 16 * r, acc[r][k]);
+}
 
-template <int NC>
-inline void qk_block_nc(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
-                        Prefetcher& pf) {
+// Scores of the first nv row vectors of a block against the keys [jlo, jhi) (KJ at a time: krow must
+// hold valid rows up to jhi rounded up to KJ).
+inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int d_len, float* st,
+                     Prefetcher& pf) {
   for (int v = 0; v < nv; v += RV) {
     const float* q = qt + 16 * v;
     float* out = st + 16 * v;
     const int r = std::min(RV, nv - v);
     for (int j = jlo; j < jhi; j += KJ, pf.issue(KJ)) {
-      if (RV >= 3 && r == 3) BlockQK<3, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
-      else if (RV >= 2 && r == 2) BlockQK<2, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
-      else BlockQK<1, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
+      if (RV >= 3 && r == 3) qk_block_kernel<3>(q, krow + j, d_len, out + size_t(j) * BR);
+      else if (RV >= 2 && r == 2) qk_block_kernel<2>(q, krow + j, d_len, out + size_t(j) * BR);
+      else qk_block_kernel<1>(q, krow + j, d_len, out + size_t(j) * BR);
     }
   }
-}
-
-// Scores of the first nv row vectors of a block against the keys [jlo, jhi) (KJ at a time: krow must
-// hold valid rows up to jhi rounded up to KJ).
-inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
-                     Prefetcher& pf) {
-  if (nc == 4) return qk_block_nc<4>(qt, nv, krow, jlo, jhi, nc, st, pf);
-  if (nc == 8) return qk_block_nc<8>(qt, nv, krow, jlo, jhi, nc, st, pf);
-  qk_block_nc<0>(qt, nv, krow, jlo, jhi, nc, st, pf);
 }
 
 // ---------------------------------------------------------------- values
@@ -789,7 +761,7 @@ struct Kernel {
 
   // Row pointers of the keys [ks, ke) of a tile (rows at off, head at element hoff) into krow (null
   // elsewhere), and of their values into s.vrow.
-  void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
+  __attribute__((noinline)) void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     for (int j = 0; j < TILE; ++j) {
       krow[j] = nullptr;
@@ -806,7 +778,7 @@ struct Kernel {
   // groups, short chunks) each row is read about once: then fp32 rows of a head_dim that is a multiple
   // of 16 are used in place. krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the
   // micro-kernel's overrun).
-  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
+  __attribute__((noinline)) void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     for (int j = 0; j < TILE + KJ; ++j) {
@@ -844,7 +816,7 @@ struct Kernel {
 
   // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
   // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
-  void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
+  __attribute__((noinline)) void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
     float* row = s.p.data() + size_t(r) * TILE;
     V sv[TV];
     Mask mask[TV];
@@ -882,7 +854,7 @@ struct Kernel {
   // (no masks). The same operations, lane by lane, as softmax_row; the tile's sum of probabilities per
   // row is vhsum's tree over its 16 lanes of (0 + p[lane]) + p[16 + lane] + ..., here a tree of
   // vectors (terms that are 0 there are left out here: adding +0 to a sum of non-negative terms is exact).
-  void softmax_block(int v, int base, int t0, int jlo, int jhi, bool full, Scratch& s) const {
+  __attribute__((noinline)) void softmax_block(int v, int base, int t0, int jlo, int jhi, bool full, Scratch& s) const {
     float* col = s.st.data() + 16 * v;
     const V pos = vload(s.pos.data() + base), t0v = vset(float(t0));
     const V lo_v = (a.window > 0 ? vmax(pos - vset(float(a.window - 1)), t0v) : t0v) - t0v;
@@ -946,14 +918,14 @@ struct Kernel {
   float q_mul() const { return a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e; }
 
   // Rows' initial state: running max -inf, sum 0, accumulator 0.
-  void init_rows(int rows, Scratch& s) const {
+  __attribute__((noinline)) void init_rows(int rows, Scratch& s) const {
     std::fill_n(s.m.data(), rows, kNegInf);
     std::fill_n(s.l.data(), rows, 0.0f);
     std::fill_n(s.acc.data(), size_t(rows) * Dp, 0.0f);
   }
 
   // Row-wise path: scaled queries in s.qp [rows][Dp].
-  void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
+  __attribute__((noinline)) void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
     const float qmul = q_mul();
     for (int r = 0; r < rows; ++r) {
       float* dst = s.qp.data() + size_t(r) * Dp;
@@ -967,7 +939,7 @@ struct Kernel {
   // Blocked path: head i's rows at padded rows [i * nqp, i * nqp + nqg); block b (rows [BR b, BR b + BR))
   // transposed in s.qt at b * BR * Dp as [Dp][BR], zeros past head_dim and past the rows. Each padded
   // row's absolute position in s.ipos and s.pos (float, exact); padding rows far before position 0.
-  void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
+  __attribute__((noinline)) void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
     const V qmul = vset(q_mul());
     const int heads = it.h1 - it.h0;
     for (int hi = 0; hi < heads; ++hi) {
@@ -1065,7 +1037,7 @@ struct Kernel {
       // Every row sees every key of the tile: its first row the tile's last key, its last row the first.
       const bool full = jlo == 0 && jhi == TILE && visible_hi(first + r0 / G, t0) == TILE &&
                         visible_lo(first + (r0 + n - 1) / G, t0) == 0;
-      qk_block(s.qt.data() + size_t(pr) * Dp, nv, krow, jlo, jhi, Dp / 16, s.st.data(), s.pf);
+      qk_block(s.qt.data() + size_t(pr) * Dp, nv, krow, jlo, jhi, D, s.st.data(), s.pf);
       for (int v = 0; v < nv; ++v) softmax_block(v, pr + 16 * v, t0, jlo, jhi, full, s);
       for (int g = 0; g < n; g += PV_ROWS) {
         const int rows = std::min(PV_ROWS, n - g);
