@@ -40,6 +40,12 @@ SOURCE = r"""
 #define LADLE_BLOCK_KJ 4
 #endif
 #endif
+#ifndef LADLE_PF_EVERY
+#define LADLE_PF_EVERY 4
+#endif
+#ifndef LADLE_PF_HINT
+#define LADLE_PF_HINT 3
+#endif
 #ifndef LADLE_ROWWISE_MAX
 #define LADLE_ROWWISE_MAX 4
 #endif
@@ -70,7 +76,10 @@ constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which 
 // (head_dim 128) and 1.6x (256) faster than blocked; 0.95x (96), 0.85x (80) and 0.8x (64) as fast.
 constexpr int ROWWISE_MAX_ROWS = 8;
 static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at most 8");
-constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
+#ifndef LADLE_PV_ROWS
+#define LADLE_PV_ROWS 6
+#endif
+constexpr int PV_ROWS = LADLE_PV_ROWS;  // query rows per PV micro-kernel (at most 6)
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -438,13 +447,16 @@ struct Prefetcher {
   }
   // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
+#ifdef LADLE_PF_OFF
+    j = end; return;
+#endif
     if (per_head) {  // one head's rows: n keys
       for (; n > 0 && j < end; --n, ++j) {
         const char* kr = k + off[j] * es;
         const char* vr = v + off[j] * es;
         for (int b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kr + b, 0, 3);
-          __builtin_prefetch(vr + b, 0, 3);
+          __builtin_prefetch(kr + b, 0, LADLE_PF_HINT);
+          __builtin_prefetch(vr + b, 0, LADLE_PF_HINT);
         }
       }
       return;
@@ -455,8 +467,8 @@ struct Prefetcher {
       const int stop = std::min(row_bytes, x + 32 * lines);  // 64-byte lines, K and V: 2 per step
       lines -= (stop - x + 63) / 64 * 2;
       for (; x < stop; x += 64) {
-        __builtin_prefetch(kr + x, 0, 3);
-        __builtin_prefetch(vr + x, 0, 3);
+        __builtin_prefetch(kr + x, 0, LADLE_PF_HINT);
+        __builtin_prefetch(vr + x, 0, LADLE_PF_HINT);
       }
       if (x >= row_bytes) {
         x = 0;
@@ -559,7 +571,7 @@ inline int round16(int d) { return (d + 15) / 16 * 16; }
 template <int N, class KT>
 inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
                        Prefetcher& pf) {
-  const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE + 16 * blocks - 1) / (16 * blocks);
+  const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE * LADLE_PF_EVERY + 16 * blocks - 1) / (16 * blocks);
   int credit = TILE;  // keys of the next tile still to request
   for (int t = 0; t < TV; ++t) {
     const int j0 = 16 * t;
@@ -571,15 +583,16 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
         V rows[16];
         for (int i = 0; i < 16; ++i) {
           const int j = j0 + i;
-          if (i % 4 == 0 && credit > 0) {
-            pf.issue(per_load);
-            credit -= per_load;
-          }
           rows[i] = j >= ks && j < ke ? load16(krow[j] + c, n) : vzero();
         }
         transpose16(rows);
-        for (int i = 0; i < n; ++i)
+        for (int i = 0; i < n; ++i) {
+          if (i % LADLE_PF_EVERY == 0 && credit > 0) {
+            pf.issue(per_load);
+            credit -= per_load;
+          }
           for (int r = 0; r < N; ++r) acc[r] = vfma(vset(qp[size_t(r) * dp + c + i]), rows[i], acc[r]);
+        }
       }
     }
     for (int r = 0; r < N; ++r) vstore(s + size_t(r) * TILE + j0, acc[r]);
@@ -708,7 +721,9 @@ inline void pv_group(float* acc, int dp, const float* p, const float* alpha, con
     case 1: LADLE_PV(1);
     case 2: LADLE_PV(2);
     case 3: LADLE_PV(3);
-    default: LADLE_PV(4);
+    case 4: LADLE_PV(4);
+    case 5: LADLE_PV(5);
+    default: LADLE_PV(6);
   }
 #undef LADLE_PV
 }
@@ -761,7 +776,7 @@ struct Kernel {
 
   // Row pointers of the keys [ks, ke) of a tile (rows at off, head at element hoff) into krow (null
   // elsewhere), and of their values into s.vrow.
-  __attribute__((noinline)) void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
+  void tile_rows(const int64_t* off, int64_t hoff, int ks, int ke, const KT** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     for (int j = 0; j < TILE; ++j) {
       krow[j] = nullptr;
@@ -778,7 +793,7 @@ struct Kernel {
   // groups, short chunks) each row is read about once: then fp32 rows of a head_dim that is a multiple
   // of 16 are used in place. krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the
   // micro-kernel's overrun).
-  __attribute__((noinline)) void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
+  void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
     for (int j = 0; j < TILE + KJ; ++j) {
@@ -816,7 +831,7 @@ struct Kernel {
 
   // Fold row r's scores of this tile (visible keys [jlo, jhi)) into its running max and sum; leaves
   // the probabilities in s.p and the rescale factor of the previous accumulator in s.alpha.
-  __attribute__((noinline)) void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
+  void softmax_row(int r, int jlo, int jhi, Scratch& s) const {
     float* row = s.p.data() + size_t(r) * TILE;
     V sv[TV];
     Mask mask[TV];
@@ -854,7 +869,7 @@ struct Kernel {
   // (no masks). The same operations, lane by lane, as softmax_row; the tile's sum of probabilities per
   // row is vhsum's tree over its 16 lanes of (0 + p[lane]) + p[16 + lane] + ..., here a tree of
   // vectors (terms that are 0 there are left out here: adding +0 to a sum of non-negative terms is exact).
-  __attribute__((noinline)) void softmax_block(int v, int base, int t0, int jlo, int jhi, bool full, Scratch& s) const {
+  void softmax_block(int v, int base, int t0, int jlo, int jhi, bool full, Scratch& s) const {
     float* col = s.st.data() + 16 * v;
     const V pos = vload(s.pos.data() + base), t0v = vset(float(t0));
     const V lo_v = (a.window > 0 ? vmax(pos - vset(float(a.window - 1)), t0v) : t0v) - t0v;
@@ -918,14 +933,14 @@ struct Kernel {
   float q_mul() const { return a.softcap > 0.0f ? a.scale / a.softcap : a.scale * kLog2e; }
 
   // Rows' initial state: running max -inf, sum 0, accumulator 0.
-  __attribute__((noinline)) void init_rows(int rows, Scratch& s) const {
+  void init_rows(int rows, Scratch& s) const {
     std::fill_n(s.m.data(), rows, kNegInf);
     std::fill_n(s.l.data(), rows, 0.0f);
     std::fill_n(s.acc.data(), size_t(rows) * Dp, 0.0f);
   }
 
   // Row-wise path: scaled queries in s.qp [rows][Dp].
-  __attribute__((noinline)) void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
+  void load_q(const Item& it, int qs, int nqg, int rows, Scratch& s) const {
     const float qmul = q_mul();
     for (int r = 0; r < rows; ++r) {
       float* dst = s.qp.data() + size_t(r) * Dp;
@@ -939,7 +954,7 @@ struct Kernel {
   // Blocked path: head i's rows at padded rows [i * nqp, i * nqp + nqg); block b (rows [BR b, BR b + BR))
   // transposed in s.qt at b * BR * Dp as [Dp][BR], zeros past head_dim and past the rows. Each padded
   // row's absolute position in s.ipos and s.pos (float, exact); padding rows far before position 0.
-  __attribute__((noinline)) void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
+  void load_qt(const Item& it, int qs, int nqg, int nqp, int first, Scratch& s) const {
     const V qmul = vset(q_mul());
     const int heads = it.h1 - it.h0;
     for (int hi = 0; hi < heads; ++hi) {
