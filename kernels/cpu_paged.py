@@ -56,10 +56,10 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import write_kv_cache
 
 # Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile is
-# copied once per item, so more rows amortise it (96, two blocks of 48, measured ~5% faster than 48 and
-# as fast as 192 at one thread); the kernel halves it when a batch's chunks would give fewer than 4
-# items per thread.
-ROWS_PER_ITEM = 96
+# copied once per item, so more rows amortise it (192, four blocks of 48, measured ~4% faster than 96
+# on the issue-21 workload's chunks at 1 and 2 threads); the kernel halves it when a batch's chunks
+# would give fewer than 4 items per thread.
+ROWS_PER_ITEM = 192
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
