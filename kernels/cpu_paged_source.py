@@ -40,11 +40,11 @@ SOURCE = r"""
 #define LADLE_BLOCK_KJ 4
 #endif
 #endif
+// Row-wise scores request the next tile's lines every LADLE_PF_EVERY dimensions of a 16-key block (the
+// tile's worth spread over its blocks; 4 and 8 measured alike at head_dim 64, 2 and 1 much slower:
+// bursts fill the miss buffers).
 #ifndef LADLE_PF_EVERY
-#define LADLE_PF_EVERY 4
-#endif
-#ifndef LADLE_PF_HINT
-#define LADLE_PF_HINT 3
+#define LADLE_PF_EVERY 8
 #endif
 #ifndef LADLE_ROWWISE_MAX
 #define LADLE_ROWWISE_MAX 4
@@ -447,16 +447,13 @@ struct Prefetcher {
   }
   // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
-#ifdef LADLE_PF_OFF
-    j = end; return;
-#endif
     if (per_head) {  // one head's rows: n keys
       for (; n > 0 && j < end; --n, ++j) {
         const char* kr = k + off[j] * es;
         const char* vr = v + off[j] * es;
         for (int b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kr + b, 0, LADLE_PF_HINT);
-          __builtin_prefetch(vr + b, 0, LADLE_PF_HINT);
+          __builtin_prefetch(kr + b, 0, 3);
+          __builtin_prefetch(vr + b, 0, 3);
         }
       }
       return;
@@ -467,8 +464,8 @@ struct Prefetcher {
       const int stop = std::min(row_bytes, x + 32 * lines);  // 64-byte lines, K and V: 2 per step
       lines -= (stop - x + 63) / 64 * 2;
       for (; x < stop; x += 64) {
-        __builtin_prefetch(kr + x, 0, LADLE_PF_HINT);
-        __builtin_prefetch(vr + x, 0, LADLE_PF_HINT);
+        __builtin_prefetch(kr + x, 0, 3);
+        __builtin_prefetch(vr + x, 0, 3);
       }
       if (x >= row_bytes) {
         x = 0;
@@ -572,7 +569,7 @@ template <int N, class KT>
 inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
                        Prefetcher& pf) {
   const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE * LADLE_PF_EVERY + 16 * blocks - 1) / (16 * blocks);
-  int credit = TILE;  // keys of the next tile still to request
+  int credit = TILE;  // prefetch units (a key's rows of one head) still to request for this head
   for (int t = 0; t < TV; ++t) {
     const int j0 = 16 * t;
     V acc[N];
