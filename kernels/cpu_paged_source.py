@@ -47,7 +47,7 @@ SOURCE = r"""
 #define LADLE_PF_EVERY 8
 #endif
 #ifndef LADLE_ROWWISE_MAX
-#define LADLE_ROWWISE_MAX 4
+#define LADLE_ROWWISE_MAX 8
 #endif
 // The score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
 #define LADLE_INLINE __attribute__((always_inline)) inline
@@ -70,11 +70,12 @@ constexpr int BR = 48;              // query rows per block of the blocked (pref
 constexpr int RV = LADLE_BLOCK_RV;  // row vectors per blocked score micro-kernel
 constexpr int KJ = LADLE_BLOCK_KJ;  // keys per blocked score micro-kernel
 static_assert(RV >= 1 && RV <= 3, "LADLE_BLOCK_RV must be 1, 2 or 3");
-constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
-// ... and up to which they do in items that hold every KV head of a sequence (decode batches: bound by
-// reading the cache) when head_dim >= 128. Measured at 8 rows, batch 32, context 1024: row-wise 1.35x
-// (head_dim 128) and 1.6x (256) faster than blocked; 0.95x (96), 0.85x (80) and 0.8x (64) as fast.
-constexpr int ROWWISE_MAX_ROWS = 8;
+// Rows per KV head up to which scores go row-wise (lanes over keys: a transposed key tile is shared by
+// the rows, every lane busy), blocked beyond (lanes over rows: 16 rows share each key element). Measured
+// at 8 rows (GQA 8 decodes, context 1024, head_dim 64): row-wise 1.27x faster than blocked at batch 32,
+// 1.1x at batch 1; at head_dim 128, as fast.
+constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;
+constexpr int ROWWISE_MAX_ROWS = 8;  // the row-wise micro-kernels' limit
 static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at most 8");
 #ifndef LADLE_PV_ROWS
 #define LADLE_PV_ROWS 6
@@ -1080,7 +1081,7 @@ struct Kernel {
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
     const bool rows = heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
-    const bool blocked = nqg > (rows && D >= 128 ? ROWWISE_MAX_ROWS : ROWWISE_MAX);
+    const bool blocked = nqg > ROWWISE_MAX;
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries

@@ -1,8 +1,8 @@
-"""The CPU kernel's blocked path (prefill chunks: query rows in blocks of 48, 16 to a vector, keys 4 at a
+"""The CPU kernel's blocked path (prefill chunks: query rows in blocks of 48, 16 to a vector, keys 8 at a
 time) at its edges: chunks that start inside a tile, row counts that are not a multiple of the block or
 of a vector, every GQA group size, head dims with a tail, windows that leave some rows of a block (or of
 a value group) without a key in a tile, soft-cap. Each against the reference, and bitwise against the
-same positions computed whole, in other chunks, as row-wise decodes and inside mixed batches."""
+same positions computed whole, in other chunks, as row-wise decodes and inside mixed batches; and the score formula both paths share."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
             # Chunks starting inside tiles, of row counts that are no multiple of 16 or 48 at any group size.
             "chunks 13/45/50/7": alone(0, chunks(LENGTH, [13, 45, 50, 7])),
             "chunks of 3": alone(0, chunks(LENGTH, [3])),
-            # The last positions as decodes: the row-wise path where a KV head has at most 4 rows.
+            # The last positions as decodes: the row-wise path where a KV head has at most 8 rows.
             "prompt 97 then decodes": alone(0, [97] + [1] * (LENGTH - 97)),
         }
         for name, schedule in schedules.items():
@@ -72,9 +72,9 @@ def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
 @pytest.mark.parametrize("heads,kv_heads,query_len", [(8, 4, 3), (16, 2, 1), (12, 2, 4)])
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_blocked_multi_head_items(heads, kv_heads, query_len, head_dim, threads):
-    """Many short queries per sequence (6, 8 or 24 rows per KV head: blocked, or row-wise up to 8 rows
-    at head dim 128) in a batch large enough that one work item holds all KV heads of a sequence (its
-    whole cache rows prefetched): equal to each sequence alone."""
+    """Many short queries per sequence (6 and 8 rows per KV head: row-wise; 24: blocked) in a batch large
+    enough that one work item holds all KV heads of a sequence (its whole cache rows prefetched): equal
+    to each sequence alone."""
     lengths = [int(n) for n in torch.randint(query_len + 1, 90, (20,), generator=torch.Generator().manual_seed(7))]
     seqs = random_inputs(lengths, heads, kv_heads, head_dim, seed=9)
     kw = {"scale": 0.2, "window": None, "softcap": None}
@@ -127,10 +127,10 @@ def _two_keys(k0: list[float], q_row: list[float], head_dim: int, heads: int, pr
 
 
 @pytest.mark.parametrize("head_dim", [32, 72])
-@pytest.mark.parametrize("heads,decode", [(1, True), (2, True), (16, False), (8, False)])
+@pytest.mark.parametrize("heads,decode", [(1, True), (2, True), (8, True), (16, False), (8, False)])
 def test_score_is_one_fma_chain_in_increasing_d(head_dim, heads, decode):
     """The score of a (row, key) is one fused multiply-add per dimension, in increasing d, from +0, on
-    both paths (row-wise decodes: 1 or 2 rows a KV head; blocked: 16 or 8 x 2 rows). Pinned with
+    both paths (row-wise decodes: 1, 2 or 8 rows a KV head; blocked: 16 or 8 x 2 rows). Pinned with
     values whose sum depends on the order and on the rounding:
     - order: q = 1s, k0 = [2^24, 1, 1, -2^24]: in increasing d, 2^24 + 1 rounds back to 2^24 (twice),
       then 0: both keys score 0, the output is (1 + 3) / 2 = 2 exactly (decreasing d gives 2, a sum
