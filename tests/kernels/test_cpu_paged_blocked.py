@@ -2,7 +2,8 @@
 time) at its edges: chunks that start inside a tile, row counts that are not a multiple of the block or
 of a vector, every GQA group size, head dims with a tail, windows that leave some rows of a block (or of
 a value group) without a key in a tile, soft-cap. Each against the reference, and bitwise against the
-same positions computed whole, in other chunks, as row-wise decodes and inside mixed batches; and the score formula both paths share."""
+same positions computed whole, in other chunks, as row-wise decodes and inside mixed batches. And the
+score formula both paths share, pinned by values whose sum depends on the order and the rounding."""
 
 from __future__ import annotations
 
