@@ -157,6 +157,29 @@ inline void transpose16(V* r) {
     r[12 + c].x = _mm512_shuffle_f32x4(y, y2, 0xDD);
   }
 }
+// out[d] = [r[0][d], ..., r[15][d]] for d < 16: the 16 x 16 transpose of the rows at r, with half the
+// shuffles of transpose16 (the 128-bit pieces land in place as broadcast loads, then a 4 x 4 transpose
+// in each 128-bit lane).
+#define LADLE_HAS_TRANSPOSE_LOAD 1
+inline void transpose16_load(const float* const* r, V* out) {
+  for (int q = 0; q < 4; ++q) {
+    __m512 x[4];
+    for (int a = 0; a < 4; ++a) {
+      __m512 v = _mm512_castps128_ps512(_mm_loadu_ps(r[a] + 4 * q));
+      v = _mm512_mask_broadcast_f32x4(v, 0x00F0, _mm_loadu_ps(r[4 + a] + 4 * q));
+      v = _mm512_mask_broadcast_f32x4(v, 0x0F00, _mm_loadu_ps(r[8 + a] + 4 * q));
+      x[a] = _mm512_mask_broadcast_f32x4(v, 0xF000, _mm_loadu_ps(r[12 + a] + 4 * q));
+    }
+    const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(x[0], x[1]));
+    const __m512d t1 = _mm512_castps_pd(_mm512_unpackhi_ps(x[0], x[1]));
+    const __m512d t2 = _mm512_castps_pd(_mm512_unpacklo_ps(x[2], x[3]));
+    const __m512d t3 = _mm512_castps_pd(_mm512_unpackhi_ps(x[2], x[3]));
+    out[4 * q].x = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    out[4 * q + 1].x = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    out[4 * q + 2].x = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    out[4 * q + 3].x = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+}
 // out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
 inline V fold16(const V* a) {
   __m512 x[8], y[4], z[2];
@@ -569,6 +592,7 @@ inline int round16(int d) { return (d + 15) / 16 * 16; }
 template <int N, class KT>
 inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
                        Prefetcher& pf) {
+  alignas(64) static constexpr float zero16[16] = {};
   const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE * LADLE_PF_EVERY + 16 * blocks - 1) / (16 * blocks);
   int credit = TILE;  // prefetch units (a key's rows of one head) still to request for this head
   for (int t = 0; t < TV; ++t) {
@@ -579,11 +603,21 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
       for (int c = 0; c < d_len; c += 16) {
         const int n = std::min(16, d_len - c);
         V rows[16];
-        for (int i = 0; i < 16; ++i) {
-          const int j = j0 + i;
-          rows[i] = j >= ks && j < ke ? load16(krow[j] + c, n) : vzero();
+#if defined(LADLE_HAS_TRANSPOSE_LOAD) && !defined(LADLE_NO_TL)
+        if (std::is_same_v<KT, float> && n == 16) {
+          const float* src[16];
+          for (int i = 0; i < 16; ++i)
+            src[i] = j0 + i >= ks && j0 + i < ke ? reinterpret_cast<const float*>(krow[j0 + i]) + c : zero16;
+          transpose16_load(src, rows);
+        } else
+#endif
+        {
+          for (int i = 0; i < 16; ++i) {
+            const int j = j0 + i;
+            rows[i] = j >= ks && j < ke ? load16(krow[j] + c, n) : vzero();
+          }
+          transpose16(rows);
         }
-        transpose16(rows);
         for (int i = 0; i < n; ++i) {
           if (i % LADLE_PF_EVERY == 0 && credit > 0) {
             pf.issue(per_load);
