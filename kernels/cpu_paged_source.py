@@ -603,7 +603,7 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
       for (int c = 0; c < d_len; c += 16) {
         const int n = std::min(16, d_len - c);
         V rows[16];
-#if defined(LADLE_HAS_TRANSPOSE_LOAD) && !defined(LADLE_NO_TL)
+#if defined(LADLE_HAS_TRANSPOSE_LOAD)
         if (std::is_same_v<KT, float> && n == 16) {
           const float* src[16];
           for (int i = 0; i < 16; ++i)
