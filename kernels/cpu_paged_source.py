@@ -49,7 +49,7 @@ SOURCE = r"""
 #ifndef LADLE_ROWWISE_MAX
 #define LADLE_ROWWISE_MAX 8
 #endif
-// The score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
+// The score micro-kernel must be inlined whole: GCC's heuristics otherwise leave calls in it.
 #define LADLE_INLINE __attribute__((always_inline)) inline
 // Keep a loaded vector in a register: GCC otherwise folds the load into every FMA that uses it (one
 // load per FMA instead of one per KJ: the score micro-kernel measured ~2x slower).
@@ -180,26 +180,6 @@ inline void transpose16_load(const float* const* r, V* out) {
     out[4 * q + 3].x = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
   }
 }
-// out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
-inline V fold16(const V* a) {
-  __m512 x[8], y[4], z[2];
-  for (int k = 0; k < 8; ++k)  // T: lanes l + l+8; x[k] = [T(a[2k]) | T(a[2k+1])]
-    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0x44),
-                         _mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0xEE));
-  for (int k = 0; k < 4; ++k)  // U: l + l+4; 128-bit lane q of y[k] = U(a[4k + q])
-    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k) {  // W: l + l+2; lane q of z[k] = [W(a[8k + q]), W(a[8k + 4 + q])]
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
-    z[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  // s: l + l+1; lane 4q + m holds a[4m + q]. Then put a[i] in lane i (a permutation: exact).
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return {_mm512_permutexvar_ps(idx, s)};
-}
 #define LADLE_ISA "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
 // Two 8-lane halves; the same operations lane by lane (and the same trees) as the AVX-512 version.
@@ -275,11 +255,6 @@ inline Mask lanes_in(int lo, int hi) {
   hi = std::clamp(hi, 0, 16);
   if (hi <= lo) return 0;
   return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-inline V fold16(const V* a) {
-  alignas(32) float out[16];
-  for (int i = 0; i < 16; ++i) out[i] = vhsum(a[i]);
-  return vload(out);
 }
 // 8x8 transpose of r[0..7] in place.
 inline void transpose8(__m256* r) {
@@ -365,7 +340,6 @@ inline Mask lanes_in(int lo, int hi) {
   for (int l = 0; l < 16; ++l) m |= Mask(l >= lo && l < hi) << l;
   return m;
 }
-inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
 inline void transpose16(V* r) {
   for (int i = 0; i < 16; ++i)
     for (int j = i + 1; j < 16; ++j) std::swap(r[i].x[j], r[j].x[i]);
