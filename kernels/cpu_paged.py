@@ -12,18 +12,18 @@ A work item is (sequence, KV heads, block of query positions); OpenMP threads ta
 counter, and each item is computed by one thread alone. For each tile it reads, in place through the
 block table, the keys its queries can see (prefetching the next tile's rows while it computes), then
 for every query row (a position times a query head of the KV head's group):
-- scores: for each of 16 lanes l, P_l = sum over c of q[16c + l] * k[16c + l], one fused multiply-add
-  per c in increasing c; then s = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4},
-  T_l = P_l + P_{l+8}. Few rows per KV head (decodes) compute this on the key rows in place (lanes over
-  dimensions, 16 scores reduced at once). Many rows (prefill chunks) take the blocked path: the item's
-  queries are transposed once, in blocks of 48 rows, and each score micro-kernel runs the same
-  operations with lanes over 16 query rows, for 3 row vectors x 4 keys, every key element broadcast
-  (so both query heads of a GQA pair, and all positions of the block, share each key load); for heads
-  of more than 16 rows the tile's keys and values are first copied into contiguous buffers (in the
-  cache a head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict each
-  other from L1 while every block reads them). Which path a row takes depends on its batch (up to 8
-  rows a head go row-wise in decode batches at head_dim >= 128), never its bits: the same bits either
-  way;
+- scores: one fused multiply-add per dimension in increasing d, from +0:
+  s = fma(q[D-1], k[D-1], ... fma(q[0], k[0], +0)), a single chain per (row, key), no partial sums.
+  Few rows per KV head (up to 8: decodes) go row-wise, lanes over 16 keys: each 16-key x 16-dimension
+  block of the tile is transposed in registers and its dimensions go straight into the rows' chains (a
+  query element broadcast per dimension). Many rows (prefill chunks) take the blocked path, lanes over
+  16 query rows: the item's queries are transposed once, in blocks of 48 rows, and the score
+  micro-kernel keeps 3 row vectors x 8 keys of chains in registers, every key element broadcast (so both
+  query heads of a GQA pair, and all positions of the block, share each key load); for heads of more
+  than 16 rows the tile's keys and values are first copied into contiguous buffers (in the cache a
+  head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict each other
+  from L1 while every block reads them). Which path a row takes depends on its batch, never its bits:
+  each lane runs the same chain either way;
 - online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
   probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a
   fixed lane tree, `l = l * alpha + tile_sum` (the blocked path: the same operations for 16 rows at once,
@@ -56,10 +56,10 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import write_kv_cache
 
 # Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile is
-# copied once per item, so more rows amortise it (96, two blocks of 48, measured ~5% faster than 48 and
-# as fast as 192 at one thread); the kernel halves it when a batch's chunks would give fewer than 4
-# items per thread.
-ROWS_PER_ITEM = 96
+# copied once per item, so more rows amortise it (192, four blocks of 48, measured ~4% faster than 96
+# on the issue-21 workload's chunks at 1 and 2 threads); the kernel halves it when a batch's chunks
+# would give fewer than 4 items per thread.
+ROWS_PER_ITEM = 192
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 

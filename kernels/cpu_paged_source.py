@@ -29,22 +29,27 @@ SOURCE = r"""
 #ifndef LADLE_TILE
 #define LADLE_TILE 32
 #endif
-// The blocked score micro-kernel: up to RV row vectors (16 query rows each) x KJ keys per call, two
-// sets of RV x KJ accumulators live (the upper levels of the score tree go through L1). Measured with
-// 32 registers of 16 lanes: 3 x 4 ~15% faster than 2 x 4, 2 x 2 ~30% slower.
+// The blocked score micro-kernel: up to RV row vectors (16 query rows each) x KJ keys per call, RV x KJ
+// accumulators live in registers (plus RV query vectors and one broadcast key element).
 #ifndef LADLE_BLOCK_RV
 #if defined(__AVX512F__)
 #define LADLE_BLOCK_RV 3
-#define LADLE_BLOCK_KJ 4
+#define LADLE_BLOCK_KJ 8
 #else
 #define LADLE_BLOCK_RV 1
-#define LADLE_BLOCK_KJ 2
+#define LADLE_BLOCK_KJ 4
 #endif
+#endif
+// Row-wise scores request the next tile's lines every LADLE_PF_EVERY dimensions of a 16-key block (the
+// tile's worth spread over its blocks; 4 and 8 measured alike at head_dim 64, 2 and 1 much slower:
+// bursts fill the miss buffers).
+#ifndef LADLE_PF_EVERY
+#define LADLE_PF_EVERY 8
 #endif
 #ifndef LADLE_ROWWISE_MAX
-#define LADLE_ROWWISE_MAX 4
+#define LADLE_ROWWISE_MAX 8
 #endif
-// The score tree must be inlined whole: GCC's heuristics otherwise leave calls in it (~15%).
+// The score micro-kernel must be inlined whole: GCC's heuristics otherwise leave calls in it.
 #define LADLE_INLINE __attribute__((always_inline)) inline
 // Keep a loaded vector in a register: GCC otherwise folds the load into every FMA that uses it (one
 // load per FMA instead of one per KJ: the score micro-kernel measured ~2x slower).
@@ -65,13 +70,17 @@ constexpr int BR = 48;              // query rows per block of the blocked (pref
 constexpr int RV = LADLE_BLOCK_RV;  // row vectors per blocked score micro-kernel
 constexpr int KJ = LADLE_BLOCK_KJ;  // keys per blocked score micro-kernel
 static_assert(RV >= 1 && RV <= 3, "LADLE_BLOCK_RV must be 1, 2 or 3");
-constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;  // rows per KV head up to which scores go row-wise
-// ... and up to which they do in items that hold every KV head of a sequence (decode batches: bound by
-// reading the cache) when head_dim >= 128. Measured at 8 rows, batch 32, context 1024: row-wise 1.35x
-// (head_dim 128) and 1.6x (256) faster than blocked; 0.95x (96), 0.85x (80) and 0.8x (64) as fast.
-constexpr int ROWWISE_MAX_ROWS = 8;
+// Rows per KV head up to which scores go row-wise (lanes over keys: a transposed key tile is shared by
+// the rows, every lane busy), blocked beyond (lanes over rows: 16 rows share each key element). Measured
+// at 8 rows (GQA 8 decodes, context 1024, head_dim 64): row-wise 1.27x faster than blocked at batch 32,
+// 1.1x at batch 1; at head_dim 128, as fast.
+constexpr int ROWWISE_MAX = LADLE_ROWWISE_MAX;
+constexpr int ROWWISE_MAX_ROWS = 8;  // the row-wise micro-kernels' limit
 static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at most 8");
-constexpr int PV_ROWS = 4;          // query rows per PV micro-kernel
+#ifndef LADLE_PV_ROWS
+#define LADLE_PV_ROWS 6
+#endif
+constexpr int PV_ROWS = LADLE_PV_ROWS;  // query rows per PV micro-kernel (at most 6)
 constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -148,25 +157,28 @@ inline void transpose16(V* r) {
     r[12 + c].x = _mm512_shuffle_f32x4(y, y2, 0xDD);
   }
 }
-// out[i] = vhsum(a[i]) for 16 vectors at once (the same tree for every lane), in 45 operations.
-inline V fold16(const V* a) {
-  __m512 x[8], y[4], z[2];
-  for (int k = 0; k < 8; ++k)  // T: lanes l + l+8; x[k] = [T(a[2k]) | T(a[2k+1])]
-    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0x44),
-                         _mm512_shuffle_f32x4(a[2 * k].x, a[2 * k + 1].x, 0xEE));
-  for (int k = 0; k < 4; ++k)  // U: l + l+4; 128-bit lane q of y[k] = U(a[4k + q])
-    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k) {  // W: l + l+2; lane q of z[k] = [W(a[8k + q]), W(a[8k + 4 + q])]
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y[2 * k]), _mm512_castps_pd(y[2 * k + 1]));
-    z[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+// out[d] = [r[0][d], ..., r[15][d]] for d < 16: the 16 x 16 transpose of the rows at r, with half the
+// shuffles of transpose16 (the 128-bit pieces land in place as broadcast loads, then a 4 x 4 transpose
+// in each 128-bit lane).
+#define LADLE_HAS_TRANSPOSE_LOAD 1
+inline void transpose16_load(const float* const* r, V* out) {
+  for (int q = 0; q < 4; ++q) {
+    __m512 x[4];
+    for (int a = 0; a < 4; ++a) {
+      __m512 v = _mm512_castps128_ps512(_mm_loadu_ps(r[a] + 4 * q));
+      v = _mm512_mask_broadcast_f32x4(v, 0x00F0, _mm_loadu_ps(r[4 + a] + 4 * q));
+      v = _mm512_mask_broadcast_f32x4(v, 0x0F00, _mm_loadu_ps(r[8 + a] + 4 * q));
+      x[a] = _mm512_mask_broadcast_f32x4(v, 0xF000, _mm_loadu_ps(r[12 + a] + 4 * q));
+    }
+    const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(x[0], x[1]));
+    const __m512d t1 = _mm512_castps_pd(_mm512_unpackhi_ps(x[0], x[1]));
+    const __m512d t2 = _mm512_castps_pd(_mm512_unpacklo_ps(x[2], x[3]));
+    const __m512d t3 = _mm512_castps_pd(_mm512_unpackhi_ps(x[2], x[3]));
+    out[4 * q].x = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    out[4 * q + 1].x = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    out[4 * q + 2].x = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    out[4 * q + 3].x = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
   }
-  // s: l + l+1; lane 4q + m holds a[4m + q]. Then put a[i] in lane i (a permutation: exact).
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return {_mm512_permutexvar_ps(idx, s)};
 }
 #define LADLE_ISA "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -243,11 +255,6 @@ inline Mask lanes_in(int lo, int hi) {
   hi = std::clamp(hi, 0, 16);
   if (hi <= lo) return 0;
   return Mask(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-inline V fold16(const V* a) {
-  alignas(32) float out[16];
-  for (int i = 0; i < 16; ++i) out[i] = vhsum(a[i]);
-  return vload(out);
 }
 // 8x8 transpose of r[0..7] in place.
 inline void transpose8(__m256* r) {
@@ -333,7 +340,6 @@ inline Mask lanes_in(int lo, int hi) {
   for (int l = 0; l < 16; ++l) m |= Mask(l >= lo && l < hi) << l;
   return m;
 }
-inline V fold16(const V* a) { LADLE_LANES(vhsum(a[l])); }
 inline void transpose16(V* r) {
   for (int i = 0; i < 16; ++i)
     for (int j = i + 1; j < 16; ++j) std::swap(r[i].x[j], r[j].x[i]);
@@ -544,46 +550,59 @@ struct Scratch {
 inline int round16(int d) { return (d + 15) / 16 * 16; }
 
 // ---------------------------------------------------------------- scores
-// The score of query row r and key j, whichever layout computes it:
-//   P_l = sum over c of q[r][16c + l] * k[j][16c + l] for each lane l < 16, one fused multiply-add
-//         per c in increasing c (dimensions past head_dim are zeros);
-//   s   = W_0 + W_1, W_l = U_l + U_{l+2}, U_l = T_l + T_{l+4}, T_l = P_l + P_{l+8} (vhsum's tree).
-// Row-wise (few rows: decodes) reads each key row in place, lanes over dimensions; blocked (many
-// rows: prefill chunks) runs lanes over query rows: the block's queries are transposed once per work
-// item, the tile's key rows copied into a contiguous buffer, and each key element is broadcast to 16
-// rows. Same operations, same bits.
+// The score of query row r and key j, whichever layout computes it: one fused multiply-add per
+// dimension, in increasing d, from +0:
+//   s = fma(q[r][D-1], k[j][D-1], ... fma(q[r][1], k[j][1], fma(q[r][0], k[j][0], +0)))
+// (a single chain per (row, key): no partial sums, no tree). Row-wise (few rows: decodes) runs lanes
+// over 16 keys: the tile's keys are transposed once per head and each query element is broadcast.
+// Blocked (many rows: prefill chunks) runs lanes over 16 query rows: the block's queries are
+// transposed once per work item, the tile's key rows copied into a contiguous buffer, and each key
+// element is broadcast to 16 rows. Each lane does the same chain of operations: the same bits.
 
-// Row-wise: N rows against the keys [ks, ke) at krow; 16 (row, key) partial vectors at a time are
-// reduced together (fold16) and scattered to s [N][TILE].
+// Row-wise: N query rows (qp, dp apart) against the keys [ks, ke) of a tile (rows at krow; zeros for
+// the other keys), lanes over 16 keys: each 16 keys x 16 dimensions block is transposed in registers
+// and its 16 dimensions go straight into the rows' chains. Scores to s [N][TILE]. Requests `pf` lines as
+// it goes (a tile's worth of keys spread over the blocks' loads: a burst fills the miss buffers).
 template <int N, class KT>
 inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, int ke, int d_len, float* s,
                        Prefetcher& pf) {
-  const int nc = (d_len + 15) / 16;
-  V buf[16];
-  int32_t dst[16];
-  int cnt = 0;
-  auto flush = [&]() {
-    for (int i = cnt; i < 16; ++i) buf[i] = vzero();
-    alignas(64) float out[16];
-    vstore(out, fold16(buf));
-    for (int i = 0; i < cnt; ++i) s[dst[i]] = out[i];
-    cnt = 0;
-  };
-  for (int j = ks; j < ke; ++j) {
-    pf.issue(1);
+  alignas(64) static constexpr float zero16[16] = {};
+  const int blocks = TV * ((d_len + 15) / 16), per_load = (TILE * LADLE_PF_EVERY + 16 * blocks - 1) / (16 * blocks);
+  int credit = TILE;  // prefetch units (a key's rows of one head) still to request for this head
+  for (int t = 0; t < TV; ++t) {
+    const int j0 = 16 * t;
     V acc[N];
     for (int r = 0; r < N; ++r) acc[r] = vzero();
-    for (int c = 0; c < nc; ++c) {
-      const V kv = load16(krow[j] + 16 * c, std::min(16, d_len - 16 * c));
-      for (int r = 0; r < N; ++r) acc[r] = vfma(vload(qp + size_t(r) * dp + 16 * c), kv, acc[r]);
+    if (j0 + 16 > ks && j0 < ke) {
+      for (int c = 0; c < d_len; c += 16) {
+        const int n = std::min(16, d_len - c);
+        V rows[16];
+#if defined(LADLE_HAS_TRANSPOSE_LOAD)
+        if (std::is_same_v<KT, float> && n == 16) {
+          const float* src[16];
+          for (int i = 0; i < 16; ++i)
+            src[i] = j0 + i >= ks && j0 + i < ke ? reinterpret_cast<const float*>(krow[j0 + i]) + c : zero16;
+          transpose16_load(src, rows);
+        } else
+#endif
+        {
+          for (int i = 0; i < 16; ++i) {
+            const int j = j0 + i;
+            rows[i] = j >= ks && j < ke ? load16(krow[j] + c, n) : vzero();
+          }
+          transpose16(rows);
+        }
+        for (int i = 0; i < n; ++i) {
+          if (i % LADLE_PF_EVERY == 0 && credit > 0) {
+            pf.issue(per_load);
+            credit -= per_load;
+          }
+          for (int r = 0; r < N; ++r) acc[r] = vfma(vset(qp[size_t(r) * dp + c + i]), rows[i], acc[r]);
+        }
+      }
     }
-    for (int r = 0; r < N; ++r) {
-      buf[cnt] = acc[r];
-      dst[cnt] = r * TILE + j;
-      if (++cnt == 16) flush();
-    }
+    for (int r = 0; r < N; ++r) vstore(s + size_t(r) * TILE + j0, acc[r]);
   }
-  if (cnt) flush();
 }
 
 template <class KT, int N = ROWWISE_MAX_ROWS>
@@ -595,73 +614,45 @@ inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* kro
   }
 }
 
-// Blocked: R row vectors (16 rows each, transposed queries qt [Dp][BR]) x KJ key rows (Dp floats each,
-// NC 16-lane chunks: a compile-time count for the common head dims, else nc). Each T_l = P_l + P_{l+8}
-// is computed in registers and kept in L1, then the upper tree. Scores land key by key: key k's 16 R
-// lanes at st + k * BR.
-template <int R, int NC>
-struct BlockQK {
-  const float* qt;
-  const float* const* krow;
-  int nc;
-
-  LADLE_INLINE void partial(int l, V (&out)[R][KJ]) const {
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < KJ; ++k) out[r][k] = vzero();
-    const int n = NC ? NC : nc;
-    for (int c = 0; c < n; ++c) {
-      const int d = 16 * c + l;
-      V kb[KJ];
-      for (int k = 0; k < KJ; ++k) kb[k] = vset(krow[k][d]);
-      for (int r = 0; r < R; ++r) {
-        V qv = vload(qt + size_t(d) * BR + 16 * r);
-        LADLE_IN_REGISTER(qv);
-        for (int k = 0; k < KJ; ++k) out[r][k] = vfma(qv, kb[k], out[r][k]);
-      }
+// Blocked: R row vectors (16 rows each, transposed queries qt [Dp][BR]) x KJ key rows, all R x KJ
+// chains in registers. Scores land key by key: key k's 16 R lanes at st + k * BR.
+template <int R>
+LADLE_INLINE void qk_block_kernel(const float* qt, const float* const* krow, int d_len, float* st) {
+  V acc[R][KJ];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < KJ; ++k) acc[r][k] = vzero();
+  const float* kp[KJ];
+  for (int k = 0; k < KJ; ++k) kp[k] = krow[k];
+  for (int d = 0; d < d_len; ++d) {
+    V qv[R];
+    for (int r = 0; r < R; ++r) {
+      qv[r] = vload(qt + size_t(d) * BR + 16 * r);
+      LADLE_IN_REGISTER(qv[r]);
+    }
+    for (int k = 0; k < KJ; ++k) {
+      V kb = vset(kp[k][d]);
+      LADLE_IN_REGISTER(kb);
+      for (int r = 0; r < R; ++r) acc[r][k] = vfma(qv[r], kb, acc[r][k]);
     }
   }
-  inline void run(float* st) const {
-    alignas(64) float t[8][R][KJ][16];
-    for (int l = 0; l < 8; ++l) {
-      V x[R][KJ], y[R][KJ];
-      partial(l, x);
-      partial(l + 8, y);
-      for (int r = 0; r < R; ++r)
-        for (int k = 0; k < KJ; ++k) vstore(t[l][r][k], x[r][k] + y[r][k]);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < KJ; ++k) {
-        V u[8];
-        for (int l = 0; l < 8; ++l) u[l] = vload(t[l][r][k]);
-        for (int h = 4; h >= 1; h /= 2)  // U_l, W_l, s
-          for (int l = 0; l < h; ++l) u[l] = u[l] + u[l + h];
-        vstore(st + size_t(k) * BR + 16 * r, u[0]);
-      }
-  }
-};
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < KJ; ++k) vstore(st + size_t(k) * BR + 16 * r, acc[r][k]);
+}
 
-template <int NC>
-inline void qk_block_nc(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
-                        Prefetcher& pf) {
+// Scores of the first nv row vectors of a block against the keys [jlo, jhi) (KJ at a time: krow must
+// hold valid rows up to jhi rounded up to KJ).
+inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int d_len, float* st,
+                     Prefetcher& pf) {
   for (int v = 0; v < nv; v += RV) {
     const float* q = qt + 16 * v;
     float* out = st + 16 * v;
     const int r = std::min(RV, nv - v);
     for (int j = jlo; j < jhi; j += KJ, pf.issue(KJ)) {
-      if (RV >= 3 && r == 3) BlockQK<3, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
-      else if (RV >= 2 && r == 2) BlockQK<2, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
-      else BlockQK<1, NC>{q, krow + j, nc}.run(out + size_t(j) * BR);
+      if (RV >= 3 && r == 3) qk_block_kernel<3>(q, krow + j, d_len, out + size_t(j) * BR);
+      else if (RV >= 2 && r == 2) qk_block_kernel<2>(q, krow + j, d_len, out + size_t(j) * BR);
+      else qk_block_kernel<1>(q, krow + j, d_len, out + size_t(j) * BR);
     }
   }
-}
-
-// Scores of the first nv row vectors of a block against the keys [jlo, jhi) (KJ at a time: krow must
-// hold valid rows up to jhi rounded up to KJ).
-inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo, int jhi, int nc, float* st,
-                     Prefetcher& pf) {
-  if (nc == 4) return qk_block_nc<4>(qt, nv, krow, jlo, jhi, nc, st, pf);
-  if (nc == 8) return qk_block_nc<8>(qt, nv, krow, jlo, jhi, nc, st, pf);
-  qk_block_nc<0>(qt, nv, krow, jlo, jhi, nc, st, pf);
 }
 
 // ---------------------------------------------------------------- values
@@ -736,7 +727,9 @@ inline void pv_group(float* acc, int dp, const float* p, const float* alpha, con
     case 1: LADLE_PV(1);
     case 2: LADLE_PV(2);
     case 3: LADLE_PV(3);
-    default: LADLE_PV(4);
+    case 4: LADLE_PV(4);
+    case 5: LADLE_PV(5);
+    default: LADLE_PV(6);
   }
 #undef LADLE_PV
 }
@@ -1065,7 +1058,7 @@ struct Kernel {
       // Every row sees every key of the tile: its first row the tile's last key, its last row the first.
       const bool full = jlo == 0 && jhi == TILE && visible_hi(first + r0 / G, t0) == TILE &&
                         visible_lo(first + (r0 + n - 1) / G, t0) == 0;
-      qk_block(s.qt.data() + size_t(pr) * Dp, nv, krow, jlo, jhi, Dp / 16, s.st.data(), s.pf);
+      qk_block(s.qt.data() + size_t(pr) * Dp, nv, krow, jlo, jhi, D, s.st.data(), s.pf);
       for (int v = 0; v < nv; ++v) softmax_block(v, pr + 16 * v, t0, jlo, jhi, full, s);
       for (int g = 0; g < n; g += PV_ROWS) {
         const int rows = std::min(PV_ROWS, n - g);
@@ -1096,7 +1089,7 @@ struct Kernel {
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
     const bool rows = heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
-    const bool blocked = nqg > (rows && D >= 128 ? ROWWISE_MAX_ROWS : ROWWISE_MAX);
+    const bool blocked = nqg > ROWWISE_MAX;
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
