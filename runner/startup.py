@@ -35,6 +35,9 @@ SWITCH = "LADLE_STARTUP"  # 0/off/false/no: do nothing
 MARKER = "LADLE_STARTUP_EXEC"  # set for the re-executed process: it never executes itself again
 OFF = {"0", "off", "false", "no"}
 OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# A user who set how libgomp's threads wait chose between spinning and sleeping already: either
+# variable keeps the wait policy theirs (libgomp lets GOMP_SPINCOUNT override the policy's spin count).
+OMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 MALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 INSTALL_HINT = "apt-get install libtcmalloc-minimal4"
 
@@ -101,6 +104,8 @@ def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.pl
     for key, value in OMP_ENV.items():
         if key in environ:
             p.notes.append(f"{key}={environ[key]} (yours)")
+        elif key == "OMP_WAIT_POLICY" and (theirs := [k for k in OMP_WAIT_SETTINGS if k in environ]):
+            p.notes.append(", ".join(f"{k}={environ[k]} (yours)" for k in theirs))
         else:
             p.env[key] = value
             p.notes.append(f"{key}={value}")

@@ -91,6 +91,13 @@ def test_users_own_settings_are_kept():
     assert said == ["ladle: runtime: OMP_WAIT_POLICY=ACTIVE (yours); LD_PRELOAD=/opt/libjemalloc.so.2 (yours)"]
 
 
+def test_users_spin_count_keeps_the_wait_policy_theirs():
+    env = {"GOMP_SPINCOUNT": "100000", "LD_PRELOAD": "/opt/libjemalloc.so.2"}
+    p, calls, said = run_prepare(env)
+    assert "OMP_WAIT_POLICY" not in env and p.env == {}
+    assert said == ["ladle: runtime: GOMP_SPINCOUNT=100000 (yours); LD_PRELOAD=/opt/libjemalloc.so.2 (yours)"]
+
+
 @pytest.mark.parametrize("var,value", [("MALLOC_ARENA_MAX", "2"),
                                        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1073741824")])
 def test_users_glibc_malloc_tuning_is_kept(var, value):
