@@ -177,7 +177,17 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual); residual None: (weight * rms_norm(x), x).
-    weight: [dim] float32 (Gemma: its 1 + weight)."""
+    weight: [dim] float32 (Gemma: its 1 + weight). Under torch.compile: the same kernel as an opaque op."""
+    if torch.compiler.is_compiling():
+        if residual is None:
+            return torch.ops.ladle.fused_rms_norm(x, weight, eps), x
+        return torch.ops.ladle.fused_add_rms_norm(x, residual, weight, eps)
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape, dim = x.shape, x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(shape, dtype=torch.float32)
@@ -196,6 +206,12 @@ def add_rms_norm(
 
 def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up for gate_up = [..., 2 * width] (gate then up); act one of ACTIVATIONS."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ladle.fused_gated_activation(gate_up, act)
+    return _gated_activation(gate_up, act)
+
+
+def _gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     width = gate_up.shape[-1] // 2
     g2 = _rows(gate_up)
     out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.float32)
@@ -212,6 +228,14 @@ def qk_norm_rope(
     """RoPE(weight * rms_norm(qk)) per head (weight None: RoPE(qk)) for qk [T, H, D], weight [H, D]
     (Gemma: 1 + weight), cos / signed sin [T, 1, D] (models.layers.RotaryEmbedding); a new [T, H, D].
     D at most MAX_HEAD_DIM."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ladle.fused_qk_norm_rope(qk, weight, eps, cos, sin)
+    return _qk_norm_rope(qk, weight, eps, cos, sin)
+
+
+def _qk_norm_rope(
+    qk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     t, heads, dim = qk.shape
     if qk.stride(-1) != 1:
         qk = qk.contiguous()
@@ -227,6 +251,53 @@ def qk_norm_rope(
         sin.stride(0), t, heads, dim, eps, torch_lanes(), torch.get_num_threads(),
     ), "ladle_qk_norm_rope")
     return out
+
+
+# -- the same kernels as opaque ops for torch.compile ---------------------------------------------
+# dynamo cannot trace a ctypes call; as custom ops the compiled forward runs the very kernels eager
+# runs (bitwise eager's results, one pass each) instead of inductor's own code for the torch ops.
+@torch.library.custom_op("ladle::fused_add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.float32), x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("ladle::fused_rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _add_rms_norm(x, None, weight, eps)[0]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("ladle::fused_gated_activation", mutates_args=())
+def _gated_activation_op(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    return _gated_activation(gate_up, act)
+
+
+@_gated_activation_op.register_fake
+def _(gate_up, act):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=torch.float32)
+
+
+@torch.library.custom_op("ladle::fused_qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    qk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    return _qk_norm_rope(qk, weight, eps, cos, sin)
+
+
+@_qk_norm_rope_op.register_fake
+def _(qk, weight, eps, cos, sin):
+    return qk.new_empty(qk.shape, dtype=torch.float32)
 
 
 def build_info() -> dict[str, object]:

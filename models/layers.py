@@ -55,11 +55,11 @@ INVARIANT_ACTIVATIONS = {
 
 
 def fused_cpu(x: torch.Tensor) -> bool:
-    """Whether x's elementwise work runs in the fused C++ kernels (kernels/cpu_fused.py): CPU float32,
-    eager, no autograd. Under torch.compile inductor fuses the torch ops itself; they stay as they are."""
+    """Whether x's elementwise work runs in the fused C++ kernels (kernels/cpu_fused.py): CPU float32, no
+    autograd; eager and compiled alike (compiled calls them as custom ops, so both give the same bits)."""
     return (
         x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling() and cpu_fused.enabled()
+        and cpu_fused.enabled()
     )
 
 

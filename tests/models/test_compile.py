@@ -155,3 +155,26 @@ def test_compiled_bf16_is_bit_identical_to_eager(family):
         compiled_logits, compiled_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
     torch.testing.assert_close(compiled_logits, eager_logits, atol=0, rtol=0)
     assert compiled_tokens == eager_tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_compiled_fp32_cpu_is_bit_identical_to_eager(family):
+    """fp32 on CPU: the compiled forward calls the fused C++ kernels (kernels/cpu_fused.py) as custom ops,
+    the packed linear and the attention op as eager does, so its logits are eager's, bit for bit (with
+    inductor's own code for the norms, RoPE and activation they differed in the last bits)."""
+    from kernels import cpu_fused
+    from models import load_model
+    from tests.conftest import TINY_HF_MODELS
+    from tests.models.ladle_driver import greedy, prompt_logits
+
+    if not cpu_fused.enabled():
+        pytest.skip("the fused CPU kernels are not available here")
+    cls = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    model = load_model(None, {"architectures": [cls], **TINY_HF_MODELS[family][1]}, torch.float32, "cpu", seed=3)
+    ids = random_prompt(100, seed=0)
+    with torch.inference_mode():
+        eager_logits, eager_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
+        model.enable_compile()
+        compiled_logits, compiled_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=0, rtol=0)
+    assert compiled_tokens == eager_tokens
