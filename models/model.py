@@ -104,7 +104,8 @@ class CausalLM(nn.Module):
         width reuses it. The compile itself happens on the first call: make it in a warm-up before
         timing (engine/profiling.compile_forward)."""
         param = next(self.parameters())
-        cpu_fused.enabled()  # decided (and the library built) now: the traced forward reads a constant
+        if param.device.type == "cpu" and param.dtype == torch.float32:
+            cpu_fused.enabled()  # decided (and the library built) now: the traced forward reads a constant
         for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
             rope.prepare(param.device, param.dtype)
         options = None
