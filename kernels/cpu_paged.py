@@ -48,6 +48,8 @@ differently), another TILE, or the torch reference backend (a different formula 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import sys
 
 import torch
 
@@ -114,6 +116,31 @@ class _ForwardArgs:
             t.window, t.scale, t.softcap = window or 0, scale, softcap or 0.0
             t.positions_per_item = max(1, ROWS_PER_ITEM // (num_heads // num_kv))
         return _Args.from_buffer_copy(t)
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, its memory asked (madvise, before the first touch) to be
+    backed by 2 MiB pages where the OS allows it (Linux transparent huge pages, mode madvise or always).
+
+    Why: the kernel's decodes read blocks scattered over the cache, and with 4 KiB pages each 16-token
+    block costs page walks (software prefetches included). Measured at 1 thread: a 128-sequence decode
+    at context 512 (16 / 8 heads x 64) 1.14x faster with its cache from here than from torch.zeros; the
+    issue-21 workload's decode forwards 1.08x with every allocation on huge pages (THP_MEM_ALLOC_ENABLE=1).
+    Same bytes, same layout, same bits.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    if sys.platform.startswith("linux"):
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        start = (ptr + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+        end = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if end > start:  # a hint: refused (no THP), the tensor is as good, on small pages
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t.zero_()
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import AttentionMetadata, cpu_build, reference_attention
-from kernels.cpu_paged import cpu_paged_attention
+from kernels.cpu_paged import cpu_paged_attention, zeros_on_huge_pages
 from tests.kernels.cpu_schedules import CacheLayout, alone, chunks, interleave, random_inputs, run_schedule
 
 if cpu_build._compiler() is None:
@@ -305,3 +306,37 @@ def test_build_is_cached_and_described():
     info = cpu_build.build_info()
     assert info["tile"] == cpu_build.TILE and info["isa"] in ("avx512", "generic")
     assert str(cpu_build.cache_dir()) in info["path"]
+
+
+def _thp_eligible(ptr: int) -> bool | None:
+    """THPeligible of the mapping holding address ptr (/proc/self/smaps), None where unknown."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+def test_zeros_on_huge_pages():
+    t = zeros_on_huge_pages((2, 300, 16, 2, 64), torch.float32)
+    assert t.shape == (2, 300, 16, 2, 64) and t.dtype == torch.float32 and t.is_contiguous()
+    assert not t.any()
+    small = zeros_on_huge_pages((3, 5), torch.bfloat16)  # under one huge page: no hint, still zeros
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if platform.system() != "Linux" or not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("no transparent huge pages here")
+    # The hint took: the mapping may be backed by huge pages (with THP in madvise mode, only so).
+    huge = 2 << 20
+    eligible = _thp_eligible((t.data_ptr() + huge - 1) // huge * huge)  # the first whole huge page
+    if eligible is None:
+        pytest.skip("this kernel's smaps does not say THPeligible")
+    assert eligible
