@@ -20,6 +20,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.kv_spec import KVCacheSpec
 from engine.request import Request
+from kernels import cpu_paged
 
 _ROOT = hashlib.sha256(b"ladle/prefix-cache/v1").digest()  # the parent of a sequence's first block
 
@@ -53,6 +54,14 @@ class AdmissionPlan:
     num_cached_tokens: int  # tokens whose KV the hits already hold
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A layer's cache, zeroed; on the CPU backed by 2 MiB pages where the OS allows (decodes read its
+    scattered blocks with fewer page walks: kernels/cpu_paged.zeros_on_huge_pages)."""
+    if torch.device(device).type == "cpu":
+        return cpu_paged.zeros_on_huge_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCacheManager:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, *, device: torch.device, prefix_caching: bool) -> None:
         """num_blocks: the pool size the memory plan chose (engine/memory.py)."""
@@ -60,8 +69,7 @@ class KVCacheManager:
         self.block_size = spec.block_tokens
         self.num_blocks = num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=prefix_caching)
-        self.kv_caches = [torch.zeros(spec.block_shape(num_blocks), dtype=spec.dtype, device=device)
-                          for _ in range(spec.num_layers)]
+        self.kv_caches = [_zeros(spec.block_shape(num_blocks), spec.dtype, device) for _ in range(spec.num_layers)]
         self.bytes = spec.page_bytes * num_blocks
 
     @property
