@@ -75,6 +75,7 @@ def config_env(name: str, threads: int) -> dict[str, str] | None:
         "tc+bind": {"LD_PRELOAD": TCMALLOC, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
         "spin10k": {"GOMP_SPINCOUNT": "10000"},
         "tc+passive": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE"},
+        "tc+passive+thp": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "1"},
         "tc+spin10k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "10000"},
         "tc+spin100k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "100000"},
         "glibc-tuned": {"GLIBC_TUNABLES": GLIBC_TUNED},
