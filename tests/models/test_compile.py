@@ -24,6 +24,7 @@ from tests.engine.helpers import GREEDY, hf_greedy, random_prompt
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 ROOT = Path(__file__).resolve().parents[2]
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 LENGTHS = [1, 7, 17, 40]  # a 1-token prefill; prompts within, at and across the chunk of 16
 
 
@@ -128,12 +129,26 @@ def test_compiled_decode_launches_fewer_kernels_per_layer(family):
     from models.op_count import compiled_kernels_per_layer, decode_ops_per_layer
     from tests.conftest import TINY_HF_MODELS
 
-    cls = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    cls = CAUSAL_LM[family]
     model = load_model(None, {"architectures": [cls], **TINY_HF_MODELS[family][1]}, torch.float32, "cpu")
     eager = decode_ops_per_layer(model, [40, 35, 33])["compute"]
     compiled = compiled_kernels_per_layer(model, [40, 35, 33])
     assert compiled["library"] == 4 and compiled["attention"] == 1, compiled
     assert compiled["kernels"] <= 10 < eager, (compiled, eager)
+
+
+def assert_compiled_is_eager_bitwise(model) -> None:
+    """A 100-token prompt's logits (chunks of 37) and a 40-token greedy continuation, eager then compiled:
+    the logits bit for bit, the tokens equal."""
+    from tests.models.ladle_driver import greedy, prompt_logits
+
+    ids = random_prompt(100, seed=0)
+    with torch.inference_mode():
+        eager_logits, eager_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
+        model.enable_compile()
+        compiled_logits, compiled_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=0, rtol=0)
+    assert compiled_tokens == eager_tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -143,18 +158,11 @@ def test_compiled_bf16_is_bit_identical_to_eager(family):
     changed logits by up to 0.05 and llama's greedy continuation)."""
     from models import load_model
     from tests.conftest import TINY_HF_MODELS
-    from tests.models.ladle_driver import greedy, prompt_logits
 
-    cls = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    cls = CAUSAL_LM[family]
     arch = {"architectures": [cls], **TINY_HF_MODELS[family][1], "initializer_range": 0.08}
     model = load_model(None, arch, torch.bfloat16, "cpu", seed=3)
-    ids = random_prompt(100, seed=0)
-    with torch.inference_mode():
-        eager_logits, eager_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
-        model.enable_compile()
-        compiled_logits, compiled_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
-    torch.testing.assert_close(compiled_logits, eager_logits, atol=0, rtol=0)
-    assert compiled_tokens == eager_tokens
+    assert_compiled_is_eager_bitwise(model)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -165,16 +173,9 @@ def test_compiled_fp32_cpu_is_bit_identical_to_eager(family):
     from kernels import cpu_fused
     from models import load_model
     from tests.conftest import TINY_HF_MODELS
-    from tests.models.ladle_driver import greedy, prompt_logits
 
     if not cpu_fused.enabled():
         pytest.skip("the fused CPU kernels are not available here")
-    cls = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    cls = CAUSAL_LM[family]
     model = load_model(None, {"architectures": [cls], **TINY_HF_MODELS[family][1]}, torch.float32, "cpu", seed=3)
-    ids = random_prompt(100, seed=0)
-    with torch.inference_mode():
-        eager_logits, eager_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
-        model.enable_compile()
-        compiled_logits, compiled_tokens = prompt_logits(model, ids, chunk=37), greedy(model, ids[:20], 40)[1]
-    torch.testing.assert_close(compiled_logits, eager_logits, atol=0, rtol=0)
-    assert compiled_tokens == eager_tokens
+    assert_compiled_is_eager_bitwise(model)
