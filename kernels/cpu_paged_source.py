@@ -997,17 +997,21 @@ struct Kernel {
     return load16(static_cast<const F16*>(a.q) + i, n);
   }
 
-  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). `rows`: the
-  // next tile's whole rows are planned by the caller (flushed after the last head).
-  void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
-                 int r0, int n, bool rows, Scratch& s) const {
-    if (rows) {
-      // planned in run()
-    } else if (ns < ne) {
+  // The next tile's lines for this head (none past the last tile); `rows`: run() planned whole rows.
+  void plan_head_prefetch(const int64_t* next_off, int ns, int ne, int h, bool rows, Scratch& s) const {
+    if (rows) return;
+    if (ns < ne) {
       plan_prefetch(next_off, ns, ne, h, s.pf);
     } else {
       s.pf.clear();
     }
+  }
+
+  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). `rows`: the
+  // next tile's whole rows are planned by the caller (flushed after the last head).
+  void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
+                 int r0, int n, bool rows, Scratch& s) const {
+    plan_head_prefetch(next_off, ns, ne, h, rows, s);
     const KT* krow[TILE];
     tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
     qk_rowwise_n<KT>(s.qp.data() + size_t(r0) * Dp, Dp, n, krow, ks, ke, D, s.p.data() + size_t(r0) * TILE, s.pf);
@@ -1041,13 +1045,7 @@ struct Kernel {
   // softmax and values of a block's 32 rows while the tile's keys and values are in L1.
   void tile_blocked(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke,
                     int first, int p0, int nqg, bool rows, Scratch& s) const {
-    if (rows) {
-      // planned in run()
-    } else if (ns < ne) {
-      plan_prefetch(next_off, ns, ne, h, s.pf);
-    } else {
-      s.pf.clear();
-    }
+    plan_head_prefetch(next_off, ns, ne, h, rows, s);
     const float* krow[TILE + KJ];
     block_rows(off, int64_t(h) * D, ks, ke, nqg, krow, s);
     for (int r0 = 0; r0 < nqg; r0 += BR) {
