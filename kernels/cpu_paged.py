@@ -80,6 +80,7 @@ class _Args(ctypes.Structure):
         ("q_dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32), ("window", ctypes.c_int32),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("num_threads", ctypes.c_int32), ("positions_per_item", ctypes.c_int32),
+        ("kv_stride_block", ctypes.c_int64), ("kv_stride_token", ctypes.c_int64), ("kv_stride_head", ctypes.c_int64),
     ]
 
 
@@ -148,7 +149,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu" and kv_cache.device.type == "cpu"
         and q.dtype in _DTYPES and kv_cache.dtype in _DTYPES
-        and kv_cache.is_contiguous() and q.shape[-1] <= 1024
+        and kv_cache.stride(-1) == 1 and q.shape[-1] <= 1024
         and q.shape[1] % kv_cache.shape[-2] == 0
     )
 
@@ -179,6 +180,8 @@ def cpu_paged_attention(
     a.out = out.data_ptr()
     a.k_cache = base = kv_cache.data_ptr()
     a.v_cache = base + kv_cache.stride(0) * kv_cache.element_size()
+    # Any block layout (engine/kv_cache.py: head-major on the CPU); the kernel takes the strides.
+    _, a.kv_stride_block, a.kv_stride_token, a.kv_stride_head, _ = kv_cache.stride()
     if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
         a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
