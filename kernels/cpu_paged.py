@@ -2,7 +2,9 @@
 
 What it computes is the reference's attention (kernels/reference.py): causal by absolute position,
 optional sliding window and logit soft-cap, GQA, decodes and prefill chunks in one flattened batch,
-any block size (the contiguous cache is one block of max_model_len per sequence).
+any block size (the contiguous cache is one block of max_model_len per sequence), any block layout (the
+cache's block, token and head strides: token-major blocks, or head-major as engine/kv_cache.py allocates
+on the CPU).
 
 How (the tile rule)
 -------------------
@@ -10,7 +12,7 @@ A sequence's keys are cut into tiles of `TILE` (32) consecutive absolute positio
 positions [32 t, 32 t + 32), wherever its blocks are (a tile may span blocks, or lie inside one).
 A work item is (sequence, KV heads, block of query positions); OpenMP threads take items from a shared
 counter, and each item is computed by one thread alone. For each tile it reads, in place through the
-block table, the keys its queries can see (prefetching the next tile's rows while it computes), then
+block table, the keys its queries can see (prefetching the lines it reads next while it computes), then
 for every query row (a position times a query head of the KV head's group):
 - scores: one fused multiply-add per dimension in increasing d, from +0:
   s = fma(q[D-1], k[D-1], ... fma(q[0], k[0], +0)), a single chain per (row, key), no partial sums.
@@ -20,9 +22,10 @@ for every query row (a position times a query head of the KV head's group):
   16 query rows: the item's queries are transposed once, in blocks of 48 rows, and the score
   micro-kernel keeps 3 row vectors x 8 keys of chains in registers, every key element broadcast (so both
   query heads of a GQA pair, and all positions of the block, share each key load); for heads of more
-  than 16 rows the tile's keys and values are first copied into contiguous buffers (in the cache a
-  head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict each other
-  from L1 while every block reads them). Which path a row takes depends on its batch, never its bits:
+  than 16 rows in a token-major cache the tile's keys and values are first copied into contiguous
+  buffers (a head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict
+  each other from L1 while every block reads them; a head-major cache, the engine's on the CPU, is read
+  in place). Which path a row takes depends on its batch, never its bits:
   each lane runs the same chain either way;
 - online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
   probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a

@@ -496,7 +496,9 @@ struct Args {
   int32_t window;  // 0: none
   float scale, softcap;  // softcap 0: none
   int32_t num_threads, positions_per_item;
-  int64_t kv_stride_block, kv_stride_token, kv_stride_head;  // elements (last: a library built before them reads the rest)
+  // Cache strides in elements; last, so that a library built before them (a benchmark's baseline) still
+  // finds every other field where it expects it.
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
 };
 
 // Which lines an item requests ahead (Kernel::plan_head_prefetch).
@@ -1203,8 +1205,8 @@ std::vector<Item> make_items(const Args& a) {
     return n;
   };
   while (per > 1 && a.num_threads > 1 && chunk_items(per) < 4 * a.num_threads) per = (per + 1) / 2;
-  // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole cache rows,
-  // contiguous) when there are enough sequences to keep every thread busy, else one head.
+  // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole blocks, read in
+  // address order) when there are enough sequences to keep every thread busy, else one head.
   int decodes = 0;
   for (int b = 0; b < a.num_seqs; ++b) decodes += a.query_start_loc[b + 1] - a.query_start_loc[b] <= 4;
   const int decode_heads = decodes >= 4 * a.num_threads ? a.num_kv_heads : 1;
