@@ -1,7 +1,7 @@
 """KV-cache manager: allocates the cache tensors and maps requests to blocks.
 
-Backends share one layout (engine/kv_spec.py), per layer `[2, num_blocks, block_size, num_kv_heads,
-head_dim]`:
+Backends share one logical shape (engine/kv_spec.py), per layer `[2, num_blocks, block_size, num_kv_heads,
+head_dim]`; on the CPU its memory is head-major inside a block (`layer_cache`):
 - paged: small blocks (default 16 tokens) handed out as a sequence grows; full blocks are
   hashed for prefix caching.
 - contiguous: one block of max_model_len tokens per sequence (the slotted cache); no sharing.
@@ -54,12 +54,22 @@ class AdmissionPlan:
     num_cached_tokens: int  # tokens whose KV the hits already hold
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A layer's cache, zeroed; on the CPU backed by 2 MiB pages where the OS allows (decodes read its
-    scattered blocks with fewer page walks: kernels/cpu_paged.zeros_on_huge_pages)."""
-    if torch.device(device).type == "cpu":
-        return cpu_paged.zeros_on_huge_pages(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
+def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A layer's cache of logical shape [2, num_blocks, block_size, num_kv_heads, head_dim], zeroed.
+
+    On the CPU its memory is [2, num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a
+    block, as vLLM's CPU cache), handed out transposed to the logical shape: one head's rows of a block
+    are contiguous, so a decode that walks a block head by head reads it in address order (measured at 1
+    thread, 32 decodes at context 400, 16 / 8 heads x 64: 1.24x faster than token-major blocks, whose
+    head rows are 2 KiB apart; docs/benchmarks.md section 8d). The kernels take any layout (cpu_paged
+    its strides, the torch reference kernels/reference.cache_rows); the logical shape is what everything
+    indexes. Also on 2 MiB pages where the OS allows (fewer page walks: kernels/cpu_paged.zeros_on_huge_pages).
+    Elsewhere (CUDA) token-major and contiguous, as the Triton kernels expect.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    two, num_blocks, block_size, num_kv_heads, head_dim = shape
+    return cpu_paged.zeros_on_huge_pages((two, num_blocks, num_kv_heads, block_size, head_dim), dtype).transpose(2, 3)
 
 
 class KVCacheManager:
@@ -69,7 +79,7 @@ class KVCacheManager:
         self.block_size = spec.block_tokens
         self.num_blocks = num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=prefix_caching)
-        self.kv_caches = [_zeros(spec.block_shape(num_blocks), spec.dtype, device) for _ in range(spec.num_layers)]
+        self.kv_caches = [layer_cache(spec.block_shape(num_blocks), spec.dtype, device) for _ in range(spec.num_layers)]
         self.bytes = spec.page_bytes * num_blocks
 
     @property
@@ -165,7 +175,7 @@ class KVCacheManager:
         if partial:
             rows = n - shared * self.block_size
             s, d = src.block_ids[shared], dst.block_ids[shared]
-            for cache in self.kv_caches:  # [2, num_blocks, block_size, heads, dim]
+            for cache in self.kv_caches:  # [2, num_blocks, block_size, heads, dim] (any memory layout)
                 cache[:, d, :rows] = cache[:, s, :rows]
         dst.num_computed_tokens = n
         dst.block_hashes = list(src.block_hashes)

@@ -52,5 +52,6 @@ class KVCacheSpec:
         return 1 if self.contiguous else math.ceil(num_tokens / self.block_tokens)
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's cache tensor: [2 (K, V), num_blocks, block_tokens, num_kv_heads, head_dim]."""
+        """One layer's cache tensor, its logical shape: [2 (K, V), num_blocks, block_tokens, num_kv_heads,
+        head_dim] (the memory layout is engine/kv_cache.layer_cache's: head-major blocks on the CPU)."""
         return (2, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim)

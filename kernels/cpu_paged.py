@@ -2,7 +2,9 @@
 
 What it computes is the reference's attention (kernels/reference.py): causal by absolute position,
 optional sliding window and logit soft-cap, GQA, decodes and prefill chunks in one flattened batch,
-any block size (the contiguous cache is one block of max_model_len per sequence).
+any block size (the contiguous cache is one block of max_model_len per sequence), any block layout (the
+cache's block, token and head strides: token-major blocks, or head-major as engine/kv_cache.py allocates
+on the CPU).
 
 How (the tile rule)
 -------------------
@@ -10,7 +12,7 @@ A sequence's keys are cut into tiles of `TILE` (32) consecutive absolute positio
 positions [32 t, 32 t + 32), wherever its blocks are (a tile may span blocks, or lie inside one).
 A work item is (sequence, KV heads, block of query positions); OpenMP threads take items from a shared
 counter, and each item is computed by one thread alone. For each tile it reads, in place through the
-block table, the keys its queries can see (prefetching the next tile's rows while it computes), then
+block table, the keys its queries can see (prefetching the lines it reads next while it computes), then
 for every query row (a position times a query head of the KV head's group):
 - scores: one fused multiply-add per dimension in increasing d, from +0:
   s = fma(q[D-1], k[D-1], ... fma(q[0], k[0], +0)), a single chain per (row, key), no partial sums.
@@ -20,9 +22,10 @@ for every query row (a position times a query head of the KV head's group):
   16 query rows: the item's queries are transposed once, in blocks of 48 rows, and the score
   micro-kernel keeps 3 row vectors x 8 keys of chains in registers, every key element broadcast (so both
   query heads of a GQA pair, and all positions of the block, share each key load); for heads of more
-  than 16 rows the tile's keys and values are first copied into contiguous buffers (in the cache a
-  head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict each other
-  from L1 while every block reads them). Which path a row takes depends on its batch, never its bits:
+  than 16 rows in a token-major cache the tile's keys and values are first copied into contiguous
+  buffers (a head's rows are a whole row apart and blocks a multiple of 4 KiB apart: they would evict
+  each other from L1 while every block reads them; a head-major cache, the engine's on the CPU, is read
+  in place). Which path a row takes depends on its batch, never its bits:
   each lane runs the same chain either way;
 - online softmax in fp32, base 2: the tile's visible scores (masked lanes are -inf, their
   probabilities exactly 0), a new running max, the rescale factor, the tile's sum of probabilities by a
@@ -80,6 +83,7 @@ class _Args(ctypes.Structure):
         ("q_dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32), ("window", ctypes.c_int32),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("num_threads", ctypes.c_int32), ("positions_per_item", ctypes.c_int32),
+        ("kv_stride_block", ctypes.c_int64), ("kv_stride_token", ctypes.c_int64), ("kv_stride_head", ctypes.c_int64),
     ]
 
 
@@ -148,7 +152,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu" and kv_cache.device.type == "cpu"
         and q.dtype in _DTYPES and kv_cache.dtype in _DTYPES
-        and kv_cache.is_contiguous() and q.shape[-1] <= 1024
+        and kv_cache.stride(-1) == 1 and q.shape[-1] <= 1024
         and q.shape[1] % kv_cache.shape[-2] == 0
     )
 
@@ -179,6 +183,8 @@ def cpu_paged_attention(
     a.out = out.data_ptr()
     a.k_cache = base = kv_cache.data_ptr()
     a.v_cache = base + kv_cache.stride(0) * kv_cache.element_size()
+    # Any block layout (engine/kv_cache.py: head-major on the CPU); the kernel takes the strides.
+    _, a.kv_stride_block, a.kv_stride_token, a.kv_stride_head, _ = kv_cache.stride()
     if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
         a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)

@@ -481,8 +481,8 @@ struct Args {
   const void* q;  // [T, H, D], last dim contiguous
   int64_t q_stride_t, q_stride_h;
   float* out;  // [T, H, D] contiguous fp32
-  const void* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
-  const void* v_cache;
+  const void* k_cache;  // a plane: block b, token i, head h at element b * kv_stride_block + i * kv_stride_token +
+  const void* v_cache;  // h * kv_stride_head, head_dim contiguous (token-major NHD or head-major HND blocks)
   const void* k_new;  // [T, Hkv, D] written at slot_mapping before attending; null: already written
   const void* v_new;
   int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h;
@@ -496,7 +496,13 @@ struct Args {
   int32_t window;  // 0: none
   float scale, softcap;  // softcap 0: none
   int32_t num_threads, positions_per_item;
+  // Cache strides in elements; last, so that a library built before them (a benchmark's baseline) still
+  // finds every other field where it expects it.
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
 };
+
+// Which lines an item requests ahead (Kernel::plan_head_prefetch).
+enum class Walk { head, heads, rows };
 
 struct Item {
   int32_t b, h0, h1, i0, i1;  // sequence, KV heads [h0, h1), query rows [i0, i1) of the sequence's chunk
@@ -740,12 +746,12 @@ struct Kernel {
   const Args& a;
   int G, D, Dp;
 
-  // Element offsets in a cache plane of the rows (all KV heads) of the keys [ks, ke) of the tile at
-  // absolute position t0: one division per tile, then a walk along the block table.
+  // Element offsets in a cache plane of the keys [ks, ke) of the tile at absolute position t0 (head 0's
+  // row; head h's is kv_stride_head * h further): one division per tile, then a walk along the block table.
   void tile_offsets(const int32_t* bt, int t0, int ks, int ke, int64_t* off) const {
     int pos = t0 + ks, blk = pos / a.block_size, in = pos % a.block_size;
     for (int j = ks; j < ke; ++j) {
-      off[j] = (int64_t(bt[blk]) * a.block_size + in) * a.num_kv_heads * D;
+      off[j] = int64_t(bt[blk]) * a.kv_stride_block + int64_t(in) * a.kv_stride_token;
       if (++in == a.block_size) {
         in = 0;
         ++blk;
@@ -755,18 +761,24 @@ struct Kernel {
 
   // The K and V lines of head h of the keys [ks, ke) of a tile at offsets off, for the prefetcher.
   void plan_prefetch(const int64_t* off, int ks, int ke, int h, Prefetcher& pf) const {
-    const int64_t es = sizeof(KT), hoff = int64_t(h) * D * es;
+    const int64_t es = sizeof(KT), hoff = head_offset(h) * es;
     pf.plan(static_cast<const char*>(a.k_cache) + hoff, static_cast<const char*>(a.v_cache) + hoff, off, es,
             int(D * es), int(D * es), ks, ke);
   }
 
   // The whole cache rows (every KV head) of those keys: for items that take all heads of a sequence,
   // read in address order (each block's rows are contiguous), spread over the heads' computations.
+  // Token-major blocks only (whole_rows()); in head-major ones each head's rows are contiguous already.
   void plan_prefetch_rows(const int64_t* off, int ks, int ke, Prefetcher& pf) const {
     const int64_t es = sizeof(KT);
     pf.plan(static_cast<const char*>(a.k_cache), static_cast<const char*>(a.v_cache), off, es,
             int(a.num_kv_heads * D * es), int(D * es), ks, ke);
   }
+
+  // Head h's row from a key's offset, in elements.
+  int64_t head_offset(int h) const { return int64_t(h) * a.kv_stride_head; }
+  // A key's rows of every head are one contiguous cache row (token-major blocks).
+  bool whole_rows() const { return a.kv_stride_head == D && a.kv_stride_token == int64_t(a.num_kv_heads) * D; }
 
   // Key j's value row (head at element hoff): the cache itself (fp32) or s.vc (converted).
   void value_row(const int64_t* off, int64_t hoff, int j, Scratch& s) const {
@@ -793,12 +805,13 @@ struct Kernel {
   }
 
   // The blocked path's key and value rows, copied (as fp32, zero-padded to Dp) into contiguous tiles
-  // s.kc and s.vc: in the cache, one head's rows are num_kv_heads * head_dim apart and blocks are
-  // multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other, and every
-  // block of rows reads them again. With one row vector (<= 16 rows a head: decodes of large query
-  // groups, short chunks) each row is read about once: then fp32 rows of a head_dim that is a multiple
-  // of 16 are used in place. krow: the zero row for keys outside [ks, ke) (up to TILE + KJ, the
-  // micro-kernel's overrun).
+  // s.kc and s.vc when the cache is token-major: one head's rows are then num_kv_heads * head_dim apart
+  // and blocks multiples of 4 KiB apart, so a tile's rows fall in a few L1 sets and evict each other,
+  // and every block of rows reads them again. fp32 rows of a head_dim that is a multiple of 16 are used
+  // in place when a head's rows of a block are contiguous (head-major blocks: measured 1.02-1.045x faster
+  // than copying on 512-token chunks at head_dim 64 and 128), or when each row is read about once (one
+  // row vector, <= 16 rows a head: decodes of large query groups, short chunks). krow: the zero row for
+  // keys outside [ks, ke) (up to TILE + KJ, the micro-kernel's overrun).
   void block_rows(const int64_t* off, int64_t hoff, int ks, int ke, int nqg, const float** krow, Scratch& s) const {
     const KT* kc = static_cast<const KT*>(a.k_cache) + hoff;
     const KT* vc = static_cast<const KT*>(a.v_cache) + hoff;
@@ -806,7 +819,7 @@ struct Kernel {
       krow[j] = s.zero.data();
       if (j < ks || j >= ke) continue;
       if constexpr (std::is_same_v<KT, float>) {
-        if (D == Dp && nqg <= 16) {
+        if (D == Dp && (nqg <= 16 || a.kv_stride_token == D)) {
           krow[j] = kc + off[j];
           s.vrow[j] = vc + off[j];
           continue;
@@ -997,9 +1010,17 @@ struct Kernel {
     return load16(static_cast<const F16*>(a.q) + i, n);
   }
 
-  // The next tile's lines for this head (none past the last tile); `rows`: run() planned whole rows.
-  void plan_head_prefetch(const int64_t* next_off, int ns, int ne, int h, bool rows, Scratch& s) const {
-    if (rows) return;
+  // The lines to request while head h computes on the tile at off (keys [ks, ke); the next tile's keys
+  // [ns, ne) at next_off, none past the last tile): Walk::head, the next tile's rows of head h;
+  // Walk::heads, the next head's rows of this tile (after the last head, the next tile's head 0);
+  // Walk::rows, none (run() planned the next tile's whole rows).
+  void plan_head_prefetch(const int64_t* off, const int64_t* next_off, int ks, int ke, int ns, int ne, int h,
+                          Walk walk, Scratch& s) const {
+    if (walk == Walk::rows) return;
+    if (walk == Walk::heads) {
+      if (h + 1 < a.num_kv_heads) return plan_prefetch(off, ks, ke, h + 1, s.pf);
+      h = 0;
+    }
     if (ns < ne) {
       plan_prefetch(next_off, ns, ne, h, s.pf);
     } else {
@@ -1007,13 +1028,13 @@ struct Kernel {
     }
   }
 
-  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). `rows`: the
-  // next tile's whole rows are planned by the caller (flushed after the last head).
+  // Row-wise path: one KV head's rows [r0, r0 + n) against one tile (keys already at off). Walk::rows:
+  // the next tile's whole rows are planned by the caller (flushed after the last head).
   void tile_head(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke, int first,
-                 int r0, int n, bool rows, Scratch& s) const {
-    plan_head_prefetch(next_off, ns, ne, h, rows, s);
+                 int r0, int n, Walk walk, Scratch& s) const {
+    plan_head_prefetch(off, next_off, ks, ke, ns, ne, h, walk, s);
     const KT* krow[TILE];
-    tile_rows(off, int64_t(h) * D, ks, ke, krow, s);
+    tile_rows(off, head_offset(h), ks, ke, krow, s);
     qk_rowwise_n<KT>(s.qp.data() + size_t(r0) * Dp, Dp, n, krow, ks, ke, D, s.p.data() + size_t(r0) * TILE, s.pf);
     for (int r = r0; r < r0 + n; ++r) {
       const int pos = first + (r - r0) / G;
@@ -1038,16 +1059,16 @@ struct Kernel {
                nullptr, nullptr, s.vrow.data(), s.jlo[r], s.jhi[r], D, g, false);
       r += g;
     }
-    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
+    if (walk != Walk::rows || h == a.num_kv_heads - 1) s.pf.flush();
   }
 
   // Blocked path: one KV head's rows (nqg, from padded row p0) against one tile, block by block: scores,
   // softmax and values of a block's 32 rows while the tile's keys and values are in L1.
   void tile_blocked(const int64_t* off, const int64_t* next_off, int ns, int ne, int h, int t0, int ks, int ke,
-                    int first, int p0, int nqg, bool rows, Scratch& s) const {
-    plan_head_prefetch(next_off, ns, ne, h, rows, s);
+                    int first, int p0, int nqg, Walk walk, Scratch& s) const {
+    plan_head_prefetch(off, next_off, ks, ke, ns, ne, h, walk, s);
     const float* krow[TILE + KJ];
-    block_rows(off, int64_t(h) * D, ks, ke, nqg, krow, s);
+    block_rows(off, head_offset(h), ks, ke, nqg, krow, s);
     for (int r0 = 0; r0 < nqg; r0 += BR) {
       const int n = std::min(BR, nqg - r0), nv = (n + 15) / 16, pr = p0 + r0;
       // The block's keys: from its first row's window start to its last row's position.
@@ -1078,7 +1099,7 @@ struct Kernel {
                  s.vrow.data(), glo, ghi, D, rows, !uniform);
       }
     }
-    if (!rows || h == a.num_kv_heads - 1) s.pf.flush();
+    if (walk != Walk::rows || h == a.num_kv_heads - 1) s.pf.flush();
   }
 
   void run(const Item& it, Scratch& s) const {
@@ -1086,7 +1107,9 @@ struct Kernel {
     const int ctx = a.seq_lens[it.b] - (a.query_start_loc[it.b + 1] - qs);
     const int heads = it.h1 - it.h0, nqg = (it.i1 - it.i0) * G;
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
-    const bool rows = heads == a.num_kv_heads && heads > 1;  // whole cache rows, prefetched as such
+    // Items of every head read the next lines in address order: whole cache rows (token-major blocks), or
+    // head by head, each head's rows of a block contiguous (head-major).
+    const Walk walk = heads < a.num_kv_heads || heads == 1 ? Walk::head : whole_rows() ? Walk::rows : Walk::heads;
     const bool blocked = nqg > ROWWISE_MAX;
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
@@ -1109,11 +1132,11 @@ struct Kernel {
         std::tie(ns, ne) = keys(t0 + TILE);
         tile_offsets(bt, t0 + TILE, ns, ne, off[cur ^ 1]);
       }
-      if (rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
-      else if (rows) s.pf.clear();
+      if (walk == Walk::rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
+      else if (walk == Walk::rows) s.pf.clear();
       for (int h = it.h0; h < it.h1; ++h) {
-        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, rows, s);
-        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, rows, s);
+        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, walk, s);
+        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, walk, s);
       }
     }
     for (int hi = 0; hi < heads; ++hi)
@@ -1134,21 +1157,32 @@ struct Kernel {
 
 int elem_size(int dtype) { return dtype == 0 ? 4 : 2; }
 
+// One row of `bytes`: 64-byte pieces the compiler inlines (a memcpy call per 256-byte row costs as
+// much as the copy), then the rest.
+inline void copy_bytes(char* dst, const char* src, int64_t bytes) {
+  int64_t b = 0;
+  for (; b + 64 <= bytes; b += 64) std::memcpy(dst + b, src + b, 64);
+  if (b < bytes) std::memcpy(dst + b, src + b, bytes - b);
+}
+
 // The new keys and values into their slots: one copy per token and plane when a token's heads are
-// contiguous in the source (a view of one QKV projection is), else one per head (a copy per head was
-// ~0.4 ms of a 512-token chunk: 8192 small copies).
+// contiguous in both the source (a view of one QKV projection is) and the cache (token-major blocks),
+// else one per head (a memcpy call per head was ~0.4 ms of a 512-token chunk: 8192 small copies).
 void write_kv(const Args& a) {
   const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es, hkv = a.num_kv_heads;
-  const int64_t n = a.num_tokens;
+  const int64_t n = a.num_tokens, bs = a.block_size, sh_cache = a.kv_stride_head * es;
+  const bool cache_rows = a.kv_stride_head == a.head_dim && a.kv_stride_token == hkv * a.head_dim;
   const int threads = n * hkv * row >= (int64_t(1) << 18) ? a.num_threads : 1;
   auto copy = [&](const void* cache, const void* src, int64_t st, int64_t sh, int64_t t) {
-    char* dst = static_cast<char*>(const_cast<void*>(cache)) + a.slot_mapping[t] * hkv * row;
+    const int64_t slot = a.slot_mapping[t];
+    char* dst = static_cast<char*>(const_cast<void*>(cache)) +
+                (slot / bs * a.kv_stride_block + slot % bs * a.kv_stride_token) * es;
     const char* from = static_cast<const char*>(src) + t * st * es;
-    if (sh == a.head_dim) {
+    if (sh == a.head_dim && cache_rows) {
       std::memcpy(dst, from, hkv * row);
       return;
     }
-    for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + h * row, from + h * sh * es, row);
+    for (int64_t h = 0; h < hkv; ++h) copy_bytes(dst + h * sh_cache, from + h * sh * es, row);
   };
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < n; ++t) {
@@ -1171,8 +1205,8 @@ std::vector<Item> make_items(const Args& a) {
     return n;
   };
   while (per > 1 && a.num_threads > 1 && chunk_items(per) < 4 * a.num_threads) per = (per + 1) / 2;
-  // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole cache rows,
-  // contiguous) when there are enough sequences to keep every thread busy, else one head.
+  // Decodes are bound by reading K/V: an item takes all KV heads of a sequence (whole blocks, read in
+  // address order) when there are enough sequences to keep every thread busy, else one head.
   int decodes = 0;
   for (int b = 0; b < a.num_seqs; ++b) decodes += a.query_start_loc[b + 1] - a.query_start_loc[b] <= 4;
   const int decode_heads = decodes >= 4 * a.num_threads ? a.num_kv_heads : 1;

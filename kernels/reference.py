@@ -17,16 +17,36 @@ from kernels.metadata import AttentionMetadata
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, Hkv, D] at their slots of kv_cache [2, num_blocks, block_size, Hkv, D]."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    """Store new keys/values [T, Hkv, D] at their slots of kv_cache [2, num_blocks, block_size, Hkv, D]
+    (any block layout: the CPU cache is head-major inside a block, engine/kv_cache.py)."""
+    if kv_cache.is_contiguous():
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        return
+    block_size = kv_cache.shape[2]
+    blocks, within = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[0].index_put_((blocks, within), k.to(kv_cache.dtype))
+    kv_cache[1].index_put_((blocks, within), v.to(kv_cache.dtype))
+
+
+def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """kv_cache [2, num_blocks, block_size, Hkv, D] as rows of its memory [k|v, row, D], and where a key's
+    row is: block b, token i, head h at row b * sb + i * st + h * sh for the returned (sb, st, sh). Any
+    layout whose rows are head_dim contiguous elements (token-major blocks: row = slot * Hkv + h)."""
+    d = kv_cache.shape[-1]
+    strides = kv_cache.stride()
+    if strides[-1] != 1 or any(x % d for x in strides[:-1]):
+        raise ValueError(f"a KV cache's rows must be contiguous head_dim elements (strides {strides})")
+    sb, st, sh = (x // d for x in strides[1:4])
+    rows = 1 + sum((n - 1) * x for n, x in zip(kv_cache.shape[1:4], (sb, st, sh)))
+    return kv_cache.as_strided((2, rows, d), (strides[0], d, 1)), (sb, st, sh)
 
 
 @dataclass(slots=True)
 class _DecodePlan:
     rows: torch.Tensor  # [Bd] flattened row of each decode query
-    rows_idx: torch.Tensor  # [Bd * Hkv * L] rows of the cache viewed as [slots * Hkv, D], head-major
+    rows_idx: torch.Tensor  # [Bd * Hkv * L] rows of the cache (cache_rows), head-major
     width: int  # L: keys gathered per sequence (the longest visible span, others masked)
     mask: torch.Tensor | None  # [Bd, 1, 1, L] True where the key is visible; None when all are
     every_row: bool  # rows are 0..T-1 in order (an all-decode batch): no gather/scatter of q and out
@@ -53,15 +73,26 @@ def _seq_slots(meta: AttentionMetadata, b: int, lo: int, hi: int) -> torch.Tenso
     return blocks * meta.block_size + pos % meta.block_size
 
 
-def _head_major_rows(slots: torch.Tensor, num_kv: int) -> torch.Tensor:
-    """Cache rows for slots [..., L] in the order [..., Hkv, L]: gathering them from the cache viewed
-    as [num_slots * Hkv, D] yields keys already laid out as SDPA wants them, in a single copy."""
-    heads = torch.arange(num_kv, device=slots.device)
-    rows = slots.unsqueeze(-2) * num_kv + heads[:, None]  # [..., Hkv, L]
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Where the cache keeps a key's row (cache_rows): shared by every layer of a forward."""
+
+    num_kv: int
+    block_size: int
+    strides: tuple[int, int, int]  # rows per block, per token in a block, per head
+
+
+def _head_major_rows(slots: torch.Tensor, where: _Rows) -> torch.Tensor:
+    """Cache rows for slots [..., L] in the order [..., Hkv, L]: gathering them from the cache's rows
+    (cache_rows) yields keys already laid out as SDPA wants them, in a single copy."""
+    sb, st, sh = where.strides
+    heads = torch.arange(where.num_kv, device=slots.device)
+    base = slots // where.block_size * sb + slots % where.block_size * st
+    rows = base.unsqueeze(-2) + heads[:, None] * sh  # [..., Hkv, L]
     return rows.reshape(-1)
 
 
-def _decode_plan(meta: AttentionMetadata, seqs: list[int], window: int | None, num_kv: int) -> _DecodePlan:
+def _decode_plan(meta: AttentionMetadata, seqs: list[int], window: int | None, where: _Rows) -> _DecodePlan:
     """One batched SDPA over `seqs` (all decodes), keys padded to the longest visible span."""
     device = meta.block_tables.device
     idx = torch.tensor(seqs, device=device)
@@ -84,11 +115,11 @@ def _decode_plan(meta: AttentionMetadata, seqs: list[int], window: int | None, n
     mask = None if bool(visible.all()) else visible[:, None, None, :]
     every_row = row_list == list(range(meta.num_tokens))
     return _DecodePlan(
-        rows=rows, rows_idx=_head_major_rows(slots, num_kv), width=width, mask=mask, every_row=every_row
+        rows=rows, rows_idx=_head_major_rows(slots, where), width=width, mask=mask, every_row=every_row
     )
 
 
-def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Plan:
+def _build_plan(meta: AttentionMetadata, window: int | None, where: _Rows) -> _Plan:
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     # Decodes are batched by visible span in power-of-two buckets, so one long context does not
     # make every short one gather (and attend over) its length: padding stays under 2x.
@@ -97,7 +128,7 @@ def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Pl
         if qsl[b + 1] - qsl[b] == 1:
             span = seq_lens[b] if window is None else min(seq_lens[b], window)
             buckets.setdefault((span - 1).bit_length(), []).append(b)
-    decodes = [_decode_plan(meta, seqs, window, num_kv) for _, seqs in sorted(buckets.items())]
+    decodes = [_decode_plan(meta, seqs, window, where) for _, seqs in sorted(buckets.items())]
     device = meta.block_tables.device
     chunks = []
     for b in range(len(seq_lens)):
@@ -118,7 +149,7 @@ def _build_plan(meta: AttentionMetadata, window: int | None, num_kv: int) -> _Pl
                 mask &= k_pos > q_pos - window
         chunks.append(
             _ChunkPlan(
-                start=qsl[b], end=qsl[b + 1], rows_idx=_head_major_rows(slots, num_kv),
+                start=qsl[b], end=qsl[b + 1], rows_idx=_head_major_rows(slots, where),
                 width=seq_len - lo, mask=mask,
             )
         )
@@ -173,13 +204,13 @@ def reference_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D]; writes k/v into the cache, returns [T, H, D]."""
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    key = ("reference_plan", sliding_window)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[-2]
+    kv_rows, strides = cache_rows(kv_cache)  # [k|v, row, D]
+    key = ("reference_plan", sliding_window, strides)
     plan = meta.cache.get(key)
     if plan is None:
-        plan = meta.cache[key] = _build_plan(meta, sliding_window, num_kv)
-    kv_rows = kv_cache.view(2, -1, head_dim)  # [k|v, row = slot * Hkv + kv head, D]
+        plan = meta.cache[key] = _build_plan(meta, sliding_window, _Rows(num_kv, kv_cache.shape[2], strides))
     if len(plan.decodes) == 1 and plan.decodes[0].every_row:
         # The whole batch is one decode bucket: q is read and the output returned as they are.
         return _decode_attention(q, kv_rows, plan.decodes[0], num_kv, scale, softcap)

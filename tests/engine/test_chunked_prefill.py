@@ -50,7 +50,7 @@ def test_chunks_emit_nothing_and_cache_length_tracks_computed(tiny_hf_model_dir,
     eng = make_engine(tiny_hf_model_dir("qwen3"), backend=backend, size=chunk)
     rid = eng.add_request(random_prompt(prompt_len, seed=2), SamplingParams(max_tokens=3, temperature=0.0))
     req = eng.requests[rid]
-    cache0 = eng.kv.kv_caches[0][0].reshape(-1, *eng.kv.kv_caches[0].shape[-2:])
+    keys0 = eng.kv.kv_caches[0][0]  # [num_blocks, block_size, heads, dim] (head-major memory on the CPU)
     steps = 0
     while req.num_computed_tokens < prompt_len:
         outs = eng.step()
@@ -60,9 +60,9 @@ def test_chunks_emit_nothing_and_cache_length_tracks_computed(tiny_hf_model_dir,
         assert eng.last_step.scheduled == {rid: min(chunk, prompt_len - (steps - 1) * chunk)}
         # The cache holds keys for exactly the computed positions of this request.
         bs = eng.kv.block_size
-        slots = [req.block_ids[p // bs] * bs + p % bs for p in range(len(req.block_ids) * bs)]
-        stored = [bool(cache0[s].abs().sum() > 0) for s in slots]
-        assert stored == [p < req.num_computed_tokens for p in range(len(slots))]
+        positions = range(len(req.block_ids) * bs)
+        stored = [bool(keys0[req.block_ids[p // bs], p % bs].abs().sum() > 0) for p in positions]
+        assert stored == [p < req.num_computed_tokens for p in positions]
     assert steps == -(-prompt_len // chunk)
     assert eng.requests[rid].metrics.num_prefill_chunks == steps
     run_to_completion(eng)

@@ -42,6 +42,7 @@ class CacheLayout:
     seed: int = 0  # shuffles the free list
     spare_blocks: int = 7
     garbage: float = float("nan")  # what unwritten slots hold (the reference needs finite garbage)
+    head_major: bool = False  # each block's memory [heads, block, dim] (the CPU engine's, engine/kv_cache.py)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,10 @@ def run_schedule(
     free = list(range(num_blocks))
     random.Random(layout.seed).shuffle(free)
     # Garbage (NaN by default) in unwritten slots: the kernel must never read them.
-    cache = torch.full((2, num_blocks, block, kv_heads, head_dim), layout.garbage, dtype=dtype)
+    if layout.head_major:
+        cache = torch.full((2, num_blocks, kv_heads, block, head_dim), layout.garbage, dtype=dtype).transpose(2, 3)
+    else:
+        cache = torch.full((2, num_blocks, block, kv_heads, head_dim), layout.garbage, dtype=dtype)
     outs = [torch.full(s.q.shape, float("nan"), dtype=s.q.dtype) for s in seqs]
     st = _State()
     for forward in schedule:

@@ -124,6 +124,47 @@ def test_mixed_dtypes_write_through_torch():
     assert torch.equal(half, ref_half)
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values, each block's memory [heads, block, dim] (the CPU engine's, engine/kv_cache.py)."""
+    two, num_blocks, block, heads, dim = cache.shape
+    out = torch.empty((two, num_blocks, heads, block, dim), dtype=cache.dtype).transpose(2, 3)
+    out.copy_(cache)
+    assert out.stride(3) == block * dim and out.stride(2) == dim
+    return out
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_head_major_cache_bitwise(case, dtype, split_kv):
+    """A head-major cache gives bitwise the outputs and cache contents of a token-major one, through
+    the kernel and through the torch reference; with k/v split from one projection (one copy per head
+    into the cache) or whole."""
+    q, k, v, cache, meta = make_batch(case["seqs"], case["heads"], case["kv"], case["head_dim"], case["block"],
+                                      case["seed"], dtype)
+    if split_kv:
+        kv = torch.cat([k, v], dim=-1)
+        k, v = kv[..., : k.shape[-1]], kv[..., k.shape[-1] :]
+    kw = {"scale": case["head_dim"] ** -0.5, "sliding_window": case["window"], "softcap": case["softcap"]}
+    for attention in (cpu_paged_attention, reference_attention):
+        token_major, head_major = cache.clone(), _head_major(cache)
+        want = attention(q, k, v, token_major, meta, **kw)
+        got = attention(q, k, v, head_major, meta, **kw)
+        assert torch.equal(got, want), attention.__name__
+        assert torch.equal(head_major, token_major), attention.__name__
+
+
+def test_head_major_cache_mixed_dtypes():
+    """fp32 k/v into a bf16 head-major cache: torch's rounding on the way in, into the right slots."""
+    q, k, v, cache, meta = make_batch([(5, 7), (20, 1), (0, 33)], 4, 2, 32, 16, seed=6)
+    half = cache.to(torch.bfloat16)
+    want = cpu_paged_attention(q, k, v, half.clone(), meta, scale=0.2)
+    head_major = _head_major(half)
+    got = cpu_paged_attention(q, k, v, head_major, meta, scale=0.2)
+    assert torch.equal(got, want)
+    kernels.write_kv_cache(k, v, half, meta.slot_mapping)
+    assert torch.equal(head_major, half)
+
+
 # -- bitwise invariance ----------------------------------------------------------------------------
 @st.composite
 def workloads(draw):
@@ -142,6 +183,7 @@ def workloads(draw):
         "max_batch": draw(st.integers(1, 4)),
         "block": draw(st.sampled_from([1, 4, 16, 32, 0])),  # 0: contiguous
         "threads": draw(st.sampled_from([1, 2])),
+        "head_major": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -158,8 +200,8 @@ def _plans(case) -> dict[int, list[int]]:
 @given(case=workloads())
 def test_bitwise_invariant_to_schedule(threads, case):
     """Every sequence's outputs, computed in chunks and decodes mixed with other sequences (random
-    batches, blocks, block size or contiguous cache, 1 or 2 threads), are bitwise equal to computing
-    each sequence alone in one forward, paged with block 16, on one thread."""
+    batches, blocks, block size or contiguous cache, token- or head-major blocks, 1 or 2 threads), are
+    bitwise equal to computing each sequence alone in one forward, paged with block 16, on one thread."""
     seqs = random_inputs(case["lengths"], case["heads"], case["kv"], case["head_dim"], case["seed"])
     kw = {"window": case["window"], "softcap": case["softcap"], "scale": case["head_dim"] ** -0.5}
     torch.set_num_threads(1)
@@ -169,7 +211,7 @@ def test_bitwise_invariant_to_schedule(threads, case):
     ]
     torch.set_num_threads(case["threads"])
     layout = CacheLayout(block_size=case["block"] or 16, contiguous=case["block"] == 0, max_len=160,
-                         seed=case["seed"])
+                         seed=case["seed"], head_major=case["head_major"])
     schedule = interleave(_plans(case), case["mix_seed"], case["max_batch"])
     outs = run_schedule(seqs, schedule, cpu_paged_attention, layout, **kw)
     for sid, (got, want) in enumerate(zip(outs, baseline)):
@@ -205,9 +247,11 @@ def test_bitwise_chunk_decode_batch(window, softcap, contiguous, threads):
     assert torch.equal(again[0], whole)
 
 
-def test_large_decode_batch_threads(threads):
-    """A decode batch large enough that work items take all KV heads of a sequence: outputs equal to
-    each sequence decoded alone, at 1 and 2 threads."""
+@pytest.mark.parametrize("head_major", [False, True])
+def test_large_decode_batch_threads(threads, head_major):
+    """A decode batch large enough that work items take all KV heads of a sequence (each block read
+    row by row, or head by head when head-major): outputs equal to each sequence decoded alone
+    (token-major), at 1 and 2 threads."""
     lengths = [int(n) for n in torch.randint(1, 200, (40,), generator=torch.Generator().manual_seed(2))]
     seqs = random_inputs(lengths, 8, 2, 32, seed=4)
     pieces = {sid: chunks(n - 1, [64]) if n > 1 else [] for sid, n in enumerate(lengths)}
@@ -216,7 +260,7 @@ def test_large_decode_batch_threads(threads):
     results = []
     for t in (1, 2):
         torch.set_num_threads(t)
-        results.append(run_schedule(seqs, forwards, cpu_paged_attention, CacheLayout(seed=t)))
+        results.append(run_schedule(seqs, forwards, cpu_paged_attention, CacheLayout(seed=t, head_major=head_major)))
     torch.set_num_threads(1)
     for sid, s in enumerate(seqs):
         want = run_schedule([s], alone(0, [len(s.q)]), cpu_paged_attention, CacheLayout())[0]

@@ -64,6 +64,10 @@ def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
         for name, schedule in schedules.items():
             got = run_schedule(seqs[:1], schedule, cpu_paged_attention, layout, **kw)[0]
             assert torch.equal(got, whole), f"{name}, window {window}, softcap {softcap}"
+        # Head-major blocks (the CPU engine's cache): key and value rows read in place, not copied.
+        head_major = CacheLayout(block_size=16, max_len=160, head_major=True)
+        got = run_schedule(seqs[:1], schedules["chunks 13/45/50/7"], cpu_paged_attention, head_major, **kw)[0]
+        assert torch.equal(got, whole), f"head-major chunks, window {window}, softcap {softcap}"
         torch.set_num_threads(2)
         mixed = interleave({0: chunks(LENGTH, [40, 1, 29]), 1: chunks(61, [17, 1])}, seed=head_dim, max_batch=2)
         got = run_schedule(seqs, mixed, cpu_paged_attention, CacheLayout(block_size=4, max_len=160, seed=3), **kw)
@@ -74,8 +78,8 @@ def test_blocked_edges_bitwise(heads, kv_heads, head_dim, threads):
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_blocked_multi_head_items(heads, kv_heads, query_len, head_dim, threads):
     """Many short queries per sequence (6 and 8 rows per KV head: row-wise; 24: blocked) in a batch large
-    enough that one work item holds all KV heads of a sequence (its whole cache rows prefetched): equal
-    to each sequence alone."""
+    enough that one work item holds all KV heads of a sequence (its whole cache rows prefetched, or head
+    by head in a head-major cache): equal to each sequence alone."""
     lengths = [int(n) for n in torch.randint(query_len + 1, 90, (20,), generator=torch.Generator().manual_seed(7))]
     seqs = random_inputs(lengths, heads, kv_heads, head_dim, seed=9)
     kw = {"scale": 0.2, "window": None, "softcap": None}
@@ -83,11 +87,11 @@ def test_blocked_multi_head_items(heads, kv_heads, query_len, head_dim, threads)
     forwards = [[(sid, p[0]) for sid, p in prompts.items()], [(sid, query_len) for sid in range(len(lengths))]]
     torch.set_num_threads(1)
     want = [run_schedule([s], alone(0, [len(s.q)]), cpu_paged_attention, CacheLayout(), **kw)[0] for s in seqs]
-    for t in (1, 2):
+    for t, head_major in ((1, False), (2, False), (1, True), (2, True)):
         torch.set_num_threads(t)
-        got = run_schedule(seqs, forwards, cpu_paged_attention, CacheLayout(seed=t), **kw)
+        got = run_schedule(seqs, forwards, cpu_paged_attention, CacheLayout(seed=t, head_major=head_major), **kw)
         for sid in range(len(seqs)):
-            assert torch.equal(got[sid], want[sid]), f"sequence {sid}, {t} threads"
+            assert torch.equal(got[sid], want[sid]), f"sequence {sid}, {t} threads, head-major {head_major}"
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 1)])

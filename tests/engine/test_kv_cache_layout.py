@@ -1,0 +1,50 @@
+"""The CPU KV cache's memory is head-major inside a block behind the logical shape everything indexes
+(engine/kv_cache.layer_cache), and the manager's own copies (a fork's partial block) follow it."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import SamplingParams
+from engine.kv_cache import KVCacheManager, layer_cache
+from engine.kv_spec import KVCacheSpec
+from engine.request import Request, RequestMetrics
+from kernels import cpu_paged
+
+
+def _spec() -> KVCacheSpec:
+    return KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype=torch.float32, bytes_per_token=2 * 2 * 4 * 8 * 4,
+                       block_tokens=16, contiguous=False, max_model_len=64)
+
+
+def test_cpu_cache_is_head_major_behind_the_logical_shape():
+    cache = layer_cache((2, 5, 16, 4, 8), torch.float32, torch.device("cpu"))
+    assert cache.shape == (2, 5, 16, 4, 8)
+    # One head's rows of a block are contiguous: token stride head_dim, head stride a block's rows.
+    assert cache.stride() == (5 * 4 * 16 * 8, 4 * 16 * 8, 8, 16 * 8, 1)
+    assert not cache.is_contiguous() and bool((cache == 0).all())
+    assert cpu_paged.supports(torch.zeros(1, 8, 8), cache)  # the kernel takes it as it is
+
+
+def _request(rid: str, tokens: int) -> Request:
+    return Request(rid, list(range(tokens)), SamplingParams(), RequestMetrics(arrival_time=0.0))
+
+
+def test_fork_copies_the_partial_block_in_head_major_memory():
+    kv = KVCacheManager(_spec(), 8, device=torch.device("cpu"), prefix_caching=False)
+    src = _request("a", 21)
+    assert kv.ensure_capacity(src, 21)
+    src.num_computed_tokens = 21  # one full block, 5 rows of the second
+    gen = torch.Generator().manual_seed(0)
+    for cache in kv.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    before = [c.clone() for c in kv.kv_caches]
+    dst = _request("b", 21)
+    assert kv.fork_blocks(src, dst)
+    assert dst.block_ids[0] == src.block_ids[0] and dst.block_ids[1] != src.block_ids[1]
+    s, d = src.block_ids[1], dst.block_ids[1]
+    for cache, old in zip(kv.kv_caches, before):
+        assert torch.equal(cache[:, d, :5], old[:, s, :5])  # the computed rows, every head
+        assert torch.equal(cache[:, d, 5:], old[:, d, 5:])  # the rest of the block untouched
+        others = [b for b in range(8) if b != d]
+        assert torch.equal(cache[:, others], old[:, others])
