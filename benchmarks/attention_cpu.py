@@ -30,6 +30,7 @@ import time
 import benchutil as bu
 import torch
 
+from engine.kv_cache import layer_cache
 from kernels import AttentionMetadata, cpu_paged, reference_attention
 from kernels.cpu_build import ARCH_FLAGS, build_info, build_library, load_library
 
@@ -68,16 +69,18 @@ def bandwidth_gbs(repeats: int = 5) -> float:
 
 
 def baseline_kernel(rev: str):
-    """The kernel as of git revision `rev`, built with the default build's flags."""
+    """The kernel as of git revision `rev`, built with the default build's flags, and whether it takes
+    the cache's strides (kernels before 59eb95f read every cache as token-major blocks)."""
     source = subprocess.run(["git", "show", f"{rev}:kernels/cpu_paged_source.py"], cwd=bu.REPO, check=True,
                             capture_output=True, text=True).stdout
     scope: dict = {}
     exec(compile(source, f"{rev}:kernels/cpu_paged_source.py", "exec"), scope)  # noqa: S102 - our own file
-    return build_library(ARCH_FLAGS[0], source=scope["SOURCE"])[0]
+    return build_library(ARCH_FLAGS[0], source=scope["SOURCE"])[0], "kv_stride_block" in source
 
 
 def attention_fns(baseline) -> dict:
-    """name -> attention function: the reference or the baseline kernel, then the current kernel."""
+    """name -> (attention function, whether it reads the engine's cache layout): the reference or the
+    baseline kernel, then the current kernel. A baseline that predates strided caches gets token-major."""
     current = load_library()
 
     def with_lib(lib):
@@ -86,8 +89,16 @@ def attention_fns(baseline) -> dict:
             return cpu_paged.cpu_paged_attention(*args, **kw)
         return fn
 
-    first = ("torch", reference_attention) if baseline is None else ("baseline", with_lib(baseline))
-    return dict([first, ("cpu_paged", with_lib(current))])
+    first = ("torch", (reference_attention, True)) if baseline is None else ("baseline", (with_lib(baseline[0]), baseline[1]))
+    return dict([first, ("cpu_paged", (with_lib(current), True))])
+
+
+def in_layout(cache: torch.Tensor, engine_layout: bool) -> torch.Tensor:
+    """The same logical cache in the layout the engine allocates (head-major blocks on the CPU, engine/
+    kv_cache.layer_cache), or as it is (token-major) for a kernel that reads only that."""
+    if not engine_layout:
+        return cache
+    return layer_cache(tuple(cache.shape), cache.dtype, cache.device).copy_(cache)
 
 
 def run_case(kind: str, batch: int, query_len: int, context: int, args, gen, bw: float, fns: dict) -> list:
@@ -96,10 +107,12 @@ def run_case(kind: str, batch: int, query_len: int, context: int, args, gen, bw:
     scale = args.head_dim**-0.5
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
+    caches = {name: in_layout(cache, engine_layout) for name, (_, engine_layout) in fns.items()}
+
     def call(name):
         # A fresh metadata per call, as every forward builds one: the per-forward plans are included.
         meta = AttentionMetadata.build(qls, sls, tables, BLOCK)
-        return fns[name](q, k, v, cache, meta, scale=scale)
+        return fns[name][0](q, k, v, caches[name], meta, scale=scale)
 
     names = list(fns)
     outs = {name: call(name) for name in names}

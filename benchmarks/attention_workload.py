@@ -22,7 +22,7 @@ from pathlib import Path
 
 import benchutil as bu
 import torch
-from attention_cpu import attention_fns, baseline_kernel
+from attention_cpu import attention_fns, baseline_kernel, in_layout
 
 from kernels import AttentionMetadata, cpu_paged
 
@@ -84,7 +84,7 @@ class Replay:
             self.tables.append(perm[at : at + n])
             at += n
         shape = (2, len(perm), BLOCK, KV_HEADS, HEAD_DIM)
-        self.caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]
+        self.caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]  # token-major
         self.steps = []
         for qls, sls in forwards:
             t = sum(qls)
@@ -93,14 +93,21 @@ class Replay:
             pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(qls, sls) if q > 1)
             self.steps.append((max(qls) > 1, meta, qkv, 4 * pairs * HEADS * HEAD_DIM * LAYERS))
 
-    def run(self, fn, clock) -> tuple[float, float]:
-        """Seconds in prefill-carrying forwards and in decode-only ones."""
+    def layer_caches(self, engine_layout: bool) -> list[torch.Tensor]:
+        """Each kernel its own copy of the caches, in the layout it reads (attention_cpu.in_layout)."""
+        return [in_layout(c.clone(), engine_layout) for c in self.caches]
+
+    def run(self, fn, caches: list[torch.Tensor], clock, outputs: list | None = None) -> tuple[float, float]:
+        """Seconds in prefill-carrying forwards and in decode-only ones; every call's output appended to
+        `outputs` when given (the warm-up's, for the bit check)."""
         spent = {True: 0.0, False: 0.0}
         for prefill, meta, (q, k, v), _ in self.steps:
             meta.cache.clear()
             start = clock()
             for layer in range(LAYERS):
-                fn(q, k, v, self.caches[layer], meta, scale=HEAD_DIM**-0.5)
+                out = fn(q, k, v, caches[layer], meta, scale=HEAD_DIM**-0.5)
+                if outputs is not None:
+                    outputs.append(out)
             spent[prefill] += clock() - start
         return spent[True], spent[False]
 
@@ -124,12 +131,18 @@ def main() -> None:
           f"{gflop:.1f} GFLOP of prefill attention; {args.threads} thread(s), {args.clock} clock; "
           f"load average {bu.load_average()}")
     names = list(fns)
-    for name in names:  # warm-up (and the kernel's first build)
-        replay.run(fns[name], clock)
+    caches = {name: replay.layer_caches(engine_layout) for name, (_, engine_layout) in fns.items()}
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for name in names:  # warm-up (and the kernel's first build), keeping every output
+        replay.run(fns[name][0], caches[name], clock, outs[name])
+    a, b = outs.values()
+    same = sum(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    same = f"{same} / {len(a)}"
+    del outs, a, b
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(replay.run(fns[name], clock))
+            times[name].append(replay.run(fns[name][0], caches[name], clock))
     rows = []
     for name in names:
         pre = statistics.median(t[0] for t in times[name])
@@ -140,7 +153,8 @@ def main() -> None:
         b[0] + b[1] for b in times["cpu_paged"])
     print(bu.markdown_table(["kernel", "prefill forwards s", "decode forwards s", "total s",
                              "GFLOP/s (prefill forwards)"], rows))
-    print(f"\ncpu_paged speed vs {names[0]}: {ratio:.2f}x (medians of {args.repeats})")
+    print(f"\ncpu_paged speed vs {names[0]}: {ratio:.2f}x (medians of {args.repeats}); "
+          f"(forward, layer) outputs bitwise equal: {same}")
 
 
 if __name__ == "__main__":
