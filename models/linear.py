@@ -112,7 +112,9 @@ class Linear(nn.Linear):
 
     The Parameter stays the source of truth (loading, state_dict, tying, .to()); the packed copy is
     derived from it by `derive_weights` (the loader calls it) or on the first CPU forward, and is rebuilt
-    whenever the weight changed in place since (its version counter) or moved (`_apply` drops it).
+    whenever the weight changed in place since (its version counter) or moved (`_apply` drops it). An
+    inference tensor (a weight made under torch.inference_mode) has no version counter: after changing
+    one in place, call derive_weights (CausalLM.derive_weights) or the old packed copy keeps running.
     `use_packed=False` forces F.linear for this layer. `deterministic` (set by
     CausalLM.set_deterministic) makes a forward that would leave the packed path an error instead."""
 
