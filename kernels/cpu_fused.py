@@ -168,6 +168,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+def _require(ok: bool, name: str, what: str) -> None:
+    """The kernels take raw float32 CPU pointers and trust the shapes: a bf16 or CUDA tensor, or a short
+    weight, would be read as something else or past its end (the ops are callable as torch.ops.ladle.*)."""
+    if not ok:
+        raise ValueError(f"{name}: {what}")
+
+
+def _cpu_f32(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
 def _check(code: int, name: str) -> None:
     if code != 0:
         raise RuntimeError(f"{name} rejected its arguments (code {code})")
@@ -189,6 +200,9 @@ def _add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     shape, dim = x.shape, x.shape[-1]
+    _require(_cpu_f32(x, residual), "add_rms_norm", "x and residual must be float32 CPU tensors")
+    _require(residual is None or residual.shape == shape, "add_rms_norm", "residual must have x's shape")
+    _require(weight.device.type == "cpu" and weight.numel() == dim, "add_rms_norm", "weight must be [dim] on CPU")
     x2 = _rows(x)
     out = torch.empty(shape, dtype=torch.float32)
     total, r2 = x, None
@@ -212,6 +226,7 @@ def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def _gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    _require(_cpu_f32(gate_up), "gated_activation", "gate_up must be a float32 CPU tensor")
     width = gate_up.shape[-1] // 2
     g2 = _rows(gate_up)
     out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.float32)
@@ -236,6 +251,8 @@ def qk_norm_rope(
 def _qk_norm_rope(
     qk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
+    _require(_cpu_f32(qk, cos, sin) and qk.dim() == 3, "qk_norm_rope", "qk [T, H, D], cos, sin: float32 CPU")
+    _require(weight is None or weight.device.type == "cpu", "qk_norm_rope", "weight must be on the CPU")
     t, heads, dim = qk.shape
     if qk.stride(-1) != 1:
         qk = qk.contiguous()

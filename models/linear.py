@@ -82,10 +82,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 @torch.library.custom_op("ladle::cpu_linear", mutates_args=())
-def cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+def cpu_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor
+) -> torch.Tensor:
     """Linear `key`'s packed forward as one opaque op for torch.compile: inductor cannot lower a packed
-    mkldnn tensor as a graph input, so the op finds the module (and its packed weight) by key."""
-    module = _modules.get(key)
+    mkldnn tensor as a graph input, so the op finds the module (and its packed weight) by key. The key is
+    a 0-d int64 CPU tensor, a graph input: as a Python int it would be a constant of the graph, guarded,
+    so every other model (each has its own keys) compiled a graph of its own, and the ninth model
+    compiled in a process hit dynamo's recompile limit (an error under fullgraph=True)."""
+    module = _modules.get(int(key))
     if module is None:
         raise RuntimeError(f"ladle::cpu_linear: no live Linear with key {key}")
     return module.packed_forward(x).contiguous()
@@ -107,7 +112,9 @@ class Linear(nn.Linear):
 
     The Parameter stays the source of truth (loading, state_dict, tying, .to()); the packed copy is
     derived from it by `derive_weights` (the loader calls it) or on the first CPU forward, and is rebuilt
-    whenever the weight changed in place since (its version counter) or moved (`_apply` drops it).
+    whenever the weight changed in place since (its version counter) or moved (`_apply` drops it). An
+    inference tensor (a weight made under torch.inference_mode) has no version counter: after changing
+    one in place, call derive_weights (CausalLM.derive_weights) or the old packed copy keeps running.
     `use_packed=False` forces F.linear for this layer. `deterministic` (set by
     CausalLM.set_deterministic) makes a forward that would leave the packed path an error instead."""
 
@@ -122,6 +129,9 @@ class Linear(nn.Linear):
     def _register(self) -> None:
         self._key = next(_keys)
         _modules[self._key] = self
+        # The key as cpu_linear_op takes it: a plain attribute (no buffer: `to_empty` and `.to()` would
+        # reallocate or move it), on the CPU even under `torch.device("meta")` (models are built there).
+        self._key_tensor = torch.tensor(self._key, dtype=torch.int64, device="cpu")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -178,7 +188,7 @@ class Linear(nn.Linear):
                 )
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return cpu_linear_op(x, self.weight, self.bias, self._key)
+            return cpu_linear_op(x, self.weight, self.bias, self._key_tensor)
         return self.packed_forward(x)
 
 

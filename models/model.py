@@ -121,6 +121,19 @@ class CausalLM(nn.Module):
     def compiled(self) -> bool:
         return self._compiled is not None
 
+    def __getstate__(self) -> dict:
+        # The compiled function is bound to this instance (and cannot be pickled): a copy (deepcopy,
+        # torch.save/load) would run this model's layers. The copy compiles its own, sharing the graph.
+        state = self.__dict__.copy()
+        state["_compiled"] = self._compiled is not None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        recompile = state.pop("_compiled", None) is True
+        super().__setstate__({**state, "_compiled": None})
+        if recompile:
+            self.enable_compile()
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -201,3 +201,26 @@ def test_other_builds(flags, tmp_path, monkeypatch):
                                    rtol=5e-7, atol=1e-37)
         torch.testing.assert_close(cpu_fused.gated_activation(gate_up, "gelu_pytorch_tanh"),
                                    F.gelu(gate, approximate="tanh") * up, rtol=1e-6, atol=2e-5)
+
+
+D = 64
+_BAD_CALLS = {  # what the kernels would read as float32 [rows, D] (or past its end): rejected instead
+    "bf16 x": ("fused_rms_norm", lambda: (torch.randn(3, D, dtype=torch.bfloat16), torch.ones(D), 1e-6)),
+    "short weight": ("fused_rms_norm", lambda: (torch.randn(3, D), torch.ones(D // 2), 1e-6)),
+    "residual shape": ("fused_add_rms_norm", lambda: (torch.randn(3, D), torch.randn(3, D // 2), torch.ones(D), 1e-6)),
+    "f16 residual": ("fused_add_rms_norm", lambda: (torch.randn(3, D), torch.randn(3, D).half(), torch.ones(D), 1e-6)),
+    "f64 gate_up": ("fused_gated_activation", lambda: (torch.randn(3, 2 * D, dtype=torch.float64), "silu")),
+    "f64 qk": ("fused_qk_norm_rope", lambda: (torch.randn(2, 3, 16).double(), None, 0.0, torch.ones(2, 1, 16),
+                                             torch.zeros(2, 1, 16))),
+    "f16 cos": ("fused_qk_norm_rope", lambda: (torch.randn(2, 3, 16), None, 0.0, torch.ones(2, 1, 16).half(),
+                                              torch.zeros(2, 1, 16))),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_CALLS))
+def test_ops_reject_what_the_kernels_would_misread(case):
+    """The ops take raw float32 CPU pointers: another dtype or a mismatched shape is an error, never a
+    reinterpretation of its bytes or a read past its end (they are public as torch.ops.ladle.*)."""
+    name, args = _BAD_CALLS[case]
+    with pytest.raises(ValueError):
+        getattr(torch.ops.ladle, name)(*args())

@@ -1,6 +1,7 @@
-"""Dynamo counts recompiles per code object across the whole process: every model compiled in a test
-adds one (CausalLM._forward guards on its instance), so after ~8 compiled models in one pytest run a
-later fullgraph compile fails on the recompile limit. Each test starts from a clean dynamo cache."""
+"""Dynamo counts recompiles per code object across the whole process: models of one architecture and
+dtype share a graph (test_compile.test_models_past_the_recompile_limit_share_one_graph), but every other
+architecture, dtype or family the tests compile adds one entry to CausalLM._forward's cache, and past
+the recompile limit a fullgraph compile fails. Each test starts from a clean dynamo cache."""
 
 from __future__ import annotations
 

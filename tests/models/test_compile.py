@@ -179,3 +179,60 @@ def test_compiled_fp32_cpu_is_bit_identical_to_eager(family):
     cls = CAUSAL_LM[family]
     model = load_model(None, {"architectures": [cls], **TINY_HF_MODELS[family][1]}, torch.float32, "cpu", seed=3)
     assert_compiled_is_eager_bitwise(model)
+
+
+def test_models_past_the_recompile_limit_share_one_graph():
+    """More compiled fp32 models of one architecture in one process than dynamo's recompile limit (an
+    engine sweep, a server reloading): all run on one graph, each with its own weights (the packed linear's
+    module key is a graph input, not a guarded constant: with it constant, the ninth model's first
+    forward raised FailOnRecompileLimitHit under fullgraph=True)."""
+    from models import load_model
+    from tests.conftest import TINY_HF_MODELS
+    from tests.models.ladle_driver import prompt_logits
+
+    arch = {"architectures": [CAUSAL_LM["qwen3"]], **TINY_HF_MODELS["qwen3"][1]}
+    ids = random_prompt(12, seed=1)
+    torch._dynamo.reset()
+    before = graphs_compiled()
+    for seed in range(torch._dynamo.config.recompile_limit + 2):  # other weights each time
+        compiled = load_model(None, arch, torch.float32, "cpu", seed=seed)
+        compiled.enable_compile()
+        eager = load_model(None, arch, torch.float32, "cpu", seed=seed)
+        with torch.inference_mode():
+            got, want = prompt_logits(compiled, ids, chunk=5), prompt_logits(eager, ids, chunk=5)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert graphs_compiled() - before == 1
+
+
+def test_copied_and_pickled_compiled_models_run_their_own_weights():
+    """copy.deepcopy and torch.save/load of a compiled model give a compiled model of the copy's own
+    modules (the compiled function was shared by the copy, so its forward ran the original's layers under
+    the copy's LM head; and torch.save failed on it)."""
+    import copy
+    import io
+
+    from models import load_model
+    from tests.conftest import TINY_HF_MODELS
+    from tests.models.ladle_driver import prompt_logits
+
+    arch = {"architectures": [CAUSAL_LM["llama"]], **TINY_HF_MODELS["llama"][1]}
+    ids = random_prompt(12, seed=2)
+    original = load_model(None, arch, torch.float32, "cpu", seed=4)
+    original.enable_compile()
+    eager = load_model(None, arch, torch.float32, "cpu", seed=4)
+    with torch.inference_mode():
+        want = prompt_logits(eager, ids, chunk=5)
+        assert torch.equal(prompt_logits(original, ids, chunk=5), want)
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(original)
+    with torch.no_grad():
+        for model in (copied, eager):
+            for p in model.parameters():
+                p.mul_(0.75)
+            model.derive_weights()
+    with torch.inference_mode():
+        assert loaded.compiled and torch.equal(prompt_logits(loaded, ids, chunk=5), want)
+        assert copied.compiled and torch.equal(prompt_logits(copied, ids, chunk=5), prompt_logits(eager, ids, chunk=5))
