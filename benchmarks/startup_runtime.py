@@ -18,7 +18,8 @@ Configurations (each is an environment the worker process starts with):
     tc+bind   tcmalloc and bind together
     spin10k   GOMP_SPINCOUNT=10000 (spin briefly, then sleep; the default spins 300,000 rounds)
     tc+spinN  tcmalloc and GOMP_SPINCOUNT=N for N in 1k, 3k, 10k, 100k (one round ~25-35 ns here)
-    tc+passive  tcmalloc and passive together: what ladle's start-up step sets (runner/startup.py)
+    tc+passive  tcmalloc and passive together: what ladle's start-up step set until 2026-11-24
+    tc+passive+spin1k  what it sets now (runner/startup.py): libgomp spins 1,000 rounds, then sleeps
     glibc-tuned  GLIBC_TUNABLES=GLIBC_TUNED below (glibc malloc keeps freed memory; nothing to install)
     gt+passive  glibc-tuned and passive together
 
@@ -78,6 +79,7 @@ def config_env(name: str, threads: int) -> dict[str, str] | None:
         "tc+passive": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE"},
         "tc+passive+thp": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "1"},
         "tc+spin1k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "1000"},
+        "tc+passive+spin1k": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"},
         "tc+spin3k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "3000"},
         "tc+spin10k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "10000"},
         "tc+spin100k": {"LD_PRELOAD": TCMALLOC, "GOMP_SPINCOUNT": "100000"},

@@ -5,9 +5,14 @@ runtime, GNU libgomp) is imported; libgomp reads its environment once, when it i
 must be in place before the first allocation, so neither can be changed later in the process.
 What it does (measured in docs/benchmarks.md, "Runtime start-up"):
 
-- OpenMP wait policy: `OMP_WAIT_POLICY=PASSIVE`. libgomp's default keeps an idle worker thread spinning
-  between parallel regions; when the cores are shared (other jobs, or ladle's own Python thread between
-  ops) the spinning thread steals the core the next op needs. Set only when the user has not set it.
+- OpenMP wait policy: `OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000`. libgomp's default keeps an idle
+  worker thread spinning ~300,000 rounds (~10 ms) after each parallel region; when the cores are shared
+  (other jobs, or ladle's own Python thread between ops) the spinning thread steals the core the next op
+  needs (1.6x slower with a busy neighbour). Sleeping at once (PASSIVE alone) costs a futex wake-up at
+  every region, ~40 us, 2-4% of an idle 2-thread run. 1,000 rounds (~30 us: the gap between two ops of
+  one forward) keep the worker awake inside a forward and asleep between steps. libgomp lets
+  GOMP_SPINCOUNT override the policy's spin count; another OpenMP runtime (Intel's) ignores it and sleeps.
+  Set only when the user has set neither variable.
 - malloc: tcmalloc, when installed (Debian: `apt-get install libtcmalloc-minimal4`) and LD_PRELOAD is
   empty: the process re-executes itself once with `LD_PRELOAD=<libtcmalloc_minimal.so.4>`. The marker
   `LADLE_STARTUP_EXEC` in the environment stops a second exec (the restarted process removes it, and
@@ -34,10 +39,9 @@ from pathlib import Path
 SWITCH = "LADLE_STARTUP"  # 0/off/false/no: do nothing
 MARKER = "LADLE_STARTUP_EXEC"  # set for the re-executed process: it never executes itself again
 OFF = {"0", "off", "false", "no"}
-OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-# A user who set how libgomp's threads wait chose between spinning and sleeping already: either
-# variable keeps the wait policy theirs (libgomp lets GOMP_SPINCOUNT override the policy's spin count).
-OMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# How OpenMP's idle threads wait (docs/benchmarks.md section 10, runs 5-9). A user who set either
+# variable chose between spinning and sleeping already: then both are theirs.
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 MALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 INSTALL_HINT = "apt-get install libtcmalloc-minimal4"
 
@@ -101,14 +105,11 @@ def plan(environ: Mapping[str, str], malloc: Path | None, platform: str = sys.pl
     if MARKER in environ:  # the re-executed process: the parent set everything; report it
         return Plan(notes=environ[MARKER].split("|"))
     p = Plan()
-    for key, value in OMP_ENV.items():
-        if key in environ:
-            p.notes.append(f"{key}={environ[key]} (yours)")
-        elif key == "OMP_WAIT_POLICY" and (theirs := [k for k in OMP_WAIT_SETTINGS if k in environ]):
-            p.notes.append(", ".join(f"{k}={environ[k]} (yours)" for k in theirs))
-        else:
-            p.env[key] = value
-            p.notes.append(f"{key}={value}")
+    if theirs := [k for k in OMP_ENV if k in environ]:
+        p.notes.append(", ".join(f"{k}={environ[k]} (yours)" for k in theirs))
+    else:
+        p.env.update(OMP_ENV)
+        p.notes.append(" ".join(f"{k}={v}" for k, v in OMP_ENV.items()))
     if platform != "linux":
         p.notes.append("system malloc (LD_PRELOAD is Linux only)")
     elif environ.get("LD_PRELOAD"):

@@ -44,9 +44,9 @@ def run_prepare(env: dict[str, str], malloc: Path | None = TC, maps: Path = Path
 def test_fresh_environment_sets_openmp_and_preloads_tcmalloc():
     p = plan({}, TC, platform="linux")
     assert p.reexec
-    assert p.env["OMP_WAIT_POLICY"] == "PASSIVE" and p.env["LD_PRELOAD"] == str(TC)
+    assert p.env["OMP_WAIT_POLICY"] == "PASSIVE" and p.env["GOMP_SPINCOUNT"] == "1000" and p.env["LD_PRELOAD"] == str(TC)
     assert p.env[MARKER].split("|") == p.notes  # the re-executed process reports the parent's words
-    assert p.notes == ["OMP_WAIT_POLICY=PASSIVE", f"tcmalloc preloaded ({TC})"]
+    assert p.notes == ["OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000", f"tcmalloc preloaded ({TC})"]
 
 
 def test_prepare_reexecutes_once_with_the_same_command_line():
@@ -56,11 +56,12 @@ def test_prepare_reexecutes_once_with_the_same_command_line():
     path, argv, child_env = calls[0]
     assert path == sys.executable and argv == ["python", "-m", "runner", "x=1"]
     assert child_env["LD_PRELOAD"] == str(TC) and child_env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert child_env["GOMP_SPINCOUNT"] == "1000"
     assert child_env["PATH"] == "/bin" and MARKER in child_env
     # the re-executed process starts with that environment: it must not execute itself again
     p2, calls2, said2 = run_prepare(dict(child_env), maps=_maps_with(TC))
     assert calls2 == [] and not p2.reexec and p2.env == {}
-    assert said2 == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE; tcmalloc preloaded ({TC})"]
+    assert said2 == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000; tcmalloc preloaded ({TC})"]
 
 
 def _maps_with(lib: Path) -> Path:
@@ -71,9 +72,9 @@ def _maps_with(lib: Path) -> Path:
 
 
 def test_marker_with_a_failed_preload_says_glibc():
-    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC)}
+    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC)}
     _p, calls, said = run_prepare(env, maps=_maps_with(Path("/usr/lib/libc.so.6")))
-    assert calls == [] and said[0].startswith("ladle: runtime: OMP_WAIT_POLICY=PASSIVE; glibc malloc (tcmalloc")
+    assert calls == [] and said[0].startswith("ladle: runtime: OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000; glibc malloc (tcmalloc")
 
 
 @pytest.mark.parametrize("value", ["0", "off", "False", "no"])
@@ -91,6 +92,14 @@ def test_users_own_settings_are_kept():
     assert said == ["ladle: runtime: OMP_WAIT_POLICY=ACTIVE (yours); LD_PRELOAD=/opt/libjemalloc.so.2 (yours)"]
 
 
+def test_users_wait_policy_alone_gets_no_spin_count_added():
+    """PASSIVE set by the user means sleep at once: a spin count added by ladle would override it."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "LD_PRELOAD": "/opt/libjemalloc.so.2"}
+    p, calls, said = run_prepare(env)
+    assert calls == [] and p.env == {} and "GOMP_SPINCOUNT" not in env
+    assert said == ["ladle: runtime: OMP_WAIT_POLICY=PASSIVE (yours); LD_PRELOAD=/opt/libjemalloc.so.2 (yours)"]
+
+
 def test_users_spin_count_keeps_the_wait_policy_theirs():
     env = {"GOMP_SPINCOUNT": "100000", "LD_PRELOAD": "/opt/libjemalloc.so.2"}
     p, calls, said = run_prepare(env)
@@ -104,7 +113,7 @@ def test_users_glibc_malloc_tuning_is_kept(var, value):
     env = {var: value}
     p, calls, said = run_prepare(env)
     assert calls == [] and "LD_PRELOAD" not in env and not p.reexec
-    assert said == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE; glibc malloc as you tuned it ({var})"]
+    assert said == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000; glibc malloc as you tuned it ({var})"]
 
 
 def test_unrelated_glibc_tunables_do_not_stop_the_preload():
@@ -116,14 +125,14 @@ def test_without_tcmalloc_it_runs_on_glibc_and_says_how_to_install(monkeypatch):
     monkeypatch.setattr(startup, "find_malloc", lambda dirs=None: None)
     env: dict[str, str] = {}
     _p, calls, said = run_prepare(env, malloc=None)
-    assert calls == [] and env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert said == [("ladle: runtime: OMP_WAIT_POLICY=PASSIVE; glibc malloc (tcmalloc is not installed: "
+    assert calls == [] and env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+    assert said == [("ladle: runtime: OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000; glibc malloc (tcmalloc is not installed: "
                     "apt-get install libtcmalloc-minimal4)")]
 
 
 def test_not_linux_never_preloads():
     p = plan({}, TC, platform="darwin")
-    assert not p.reexec and "LD_PRELOAD" not in p.env and p.env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert not p.reexec and "LD_PRELOAD" not in p.env and p.env == startup.OMP_ENV
 
 
 def test_torch_already_imported_changes_nothing():
@@ -179,7 +188,7 @@ def test_cli_runs_with_the_settings(tmp_path):
     p, runtime = _cli(tmp_path)
     lines = [line for line in p.stderr.splitlines() if line.startswith("ladle: runtime:")]
     assert len(lines) == 1, p.stderr[-2000:]  # one line: the process executed itself once, not in a loop
-    assert runtime["omp"] == {"OMP_WAIT_POLICY": "PASSIVE"} and runtime["startup_step"] == "on"
+    assert runtime["omp"] == {"GOMP_SPINCOUNT": "1000", "OMP_WAIT_POLICY": "PASSIVE"} and runtime["startup_step"] == "on"
     assert runtime["malloc"] == ("tcmalloc" if find_malloc() else "system"), lines
 
 
@@ -210,13 +219,13 @@ def test_a_program_read_from_stdin_runs_without_restarting(tmp_path):
                        timeout=60, check=False)
     assert p.returncode == 0 and "the job ran" in p.stderr, p.stderr
     assert "cannot be preloaded" not in p.stderr  # no restart happened
-    assert "OMP_WAIT_POLICY=PASSIVE" in p.stderr and "glibc malloc" in p.stderr
+    assert "OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000" in p.stderr and "glibc malloc" in p.stderr
 
 
 def test_a_failed_preload_is_not_passed_on_to_subprocesses():
     """The restarted process found tcmalloc not mapped (wrong architecture, a damaged file): every program
     it starts would print the loader's error again, so LD_PRELOAD leaves its environment."""
-    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
+    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
            "OMP_WAIT_POLICY": "PASSIVE"}
     _p, calls, said = run_prepare(env, maps=_maps_with(Path("/usr/lib/libc.so.6")))
     assert calls == [] and "glibc malloc (tcmalloc could not be preloaded" in said[0]
@@ -226,10 +235,10 @@ def test_a_failed_preload_is_not_passed_on_to_subprocesses():
 def test_the_marker_does_not_reach_subprocesses():
     """The marker is for the restarted process alone: left in the environment, a ladle started by the job
     (a script, a launcher) would print the parent's words whatever its own settings are."""
-    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
+    env = {MARKER: f"OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000|tcmalloc preloaded ({TC})", "LD_PRELOAD": str(TC),
            "OMP_WAIT_POLICY": "PASSIVE"}
     _p, _calls, said = run_prepare(env, maps=_maps_with(TC))
-    assert said == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE; tcmalloc preloaded ({TC})"]
+    assert said == [f"ladle: runtime: OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000; tcmalloc preloaded ({TC})"]
     assert MARKER not in env and env["LD_PRELOAD"] == str(TC)
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # a ladle the job starts, with a setting of its own
     _p, calls, said = run_prepare(env, maps=_maps_with(TC))
@@ -246,7 +255,7 @@ def test_a_failed_exec_runs_on_without_the_preload():
     said: list[str] = []
     p = prepare(argv=["x"], environ=env, execve=failing, malloc=TC, torch_loaded=False,
                 maps=Path("/nonexistent"), say=said.append)
-    assert not p.reexec and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert not p.reexec and env == startup.OMP_ENV
     assert len(said) == 1 and "glibc malloc (could not restart" in said[0], said
 
 
