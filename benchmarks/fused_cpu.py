@@ -23,6 +23,7 @@ import warnings
 import benchutil as bu
 import torch
 
+from engine.kv_cache import layer_cache
 from kernels import AttentionMetadata, cpu_fused
 from models import load_model
 
@@ -104,7 +105,9 @@ def mixed_step(model, rows: int, gen: torch.Generator):
     per_seq = max(-(-s // BLOCK) for s in seq_lens)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(q_lens))]
     shape = (2, per_seq * len(q_lens) + 1, BLOCK, ARCH["num_key_value_heads"], ARCH["head_dim"])
-    caches = [torch.randn(shape, generator=gen) for _ in range(ARCH["num_hidden_layers"])]
+    # The engine's cache layout (head-major blocks, engine/kv_cache.layer_cache): the forward it times.
+    caches = [layer_cache(shape, torch.float32, torch.device("cpu")).copy_(torch.randn(shape, generator=gen))
+              for _ in range(ARCH["num_hidden_layers"])]
     ids = torch.randint(3, ARCH["vocab_size"], (sum(q_lens),), generator=gen)
     positions = torch.cat([torch.arange(chunk)] + [torch.tensor([200])] * DECODES)
     last = torch.tensor(q_lens).cumsum(0) - 1

@@ -146,6 +146,7 @@ def measure_speed(model: str, rows: list[int], threads: list[int], repeats: int,
 
 def forward_steps(model) -> dict[str, Callable[[object], torch.Tensor]]:
     """Forwards (+ LM head on each sequence's last row) of a prefill, a mixed and two decode steps."""
+    from engine.kv_cache import layer_cache
     from kernels import AttentionMetadata
 
     a, block = model.arch, 16
@@ -153,7 +154,7 @@ def forward_steps(model) -> dict[str, Callable[[object], torch.Tensor]]:
     def step(seqs: list[tuple[int, int]]) -> Callable[[object], torch.Tensor]:  # (new tokens, context)
         per_seq = max(-(-(c + q) // block) for q, c in seqs)
         shape = (2, per_seq * len(seqs) + 1, block, a.num_kv_heads, a.head_dim)
-        caches = [torch.zeros(shape) for _ in range(a.num_layers)]
+        caches = [layer_cache(shape, torch.float32, torch.device("cpu")) for _ in range(a.num_layers)]  # the engine's layout
         tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(seqs))]
         meta = AttentionMetadata.build([q for q, _ in seqs], [q + c for q, c in seqs], tables, block)
         ids = torch.randint(3, a.vocab_size, (sum(q for q, _ in seqs),))

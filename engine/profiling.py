@@ -1,7 +1,8 @@
 """A throwaway forward of a given shape: what memory profiling and arrival calibration measure.
 
-It runs the model on dummy token ids with its own small KV cache (never the engine's), so it can be
-called before the engine's cache exists and leaves no trace in it.
+It runs the model on dummy token ids with its own small KV cache (never the engine's, but laid out as
+the engine's: engine/kv_cache.layer_cache), so it can be called before the engine's cache exists and
+leaves no trace in it, and a timing walks the memory the engine's forward walks.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import torch
 
+from engine.kv_cache import layer_cache
 from kernels import AttentionMetadata
 
 BLOCK = 16
@@ -37,8 +39,9 @@ def dummy_forward(model: torch.nn.Module, query_lens: list[int], seq_lens: list[
         first = 0 if share_blocks else start
         tables.append(list(range(first, first + blocks)))
         start = max(start, blocks) if share_blocks else start + blocks
-    caches = [torch.zeros(2, start, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-              for _ in range(arch.num_layers)]
+    # The engine's layout (head-major blocks on 2 MiB pages on the CPU): a timing walks the same memory.
+    shape = (2, start, block_size, arch.num_kv_heads, arch.head_dim)
+    caches = [layer_cache(shape, dtype, device) for _ in range(arch.num_layers)]
     ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, logits_indices=ends,
                                    backend=backend)

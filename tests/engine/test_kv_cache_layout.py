@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import SamplingParams
@@ -10,6 +11,7 @@ from engine.kv_cache import KVCacheManager, layer_cache
 from engine.kv_spec import KVCacheSpec
 from engine.request import Request, RequestMetrics
 from kernels import cpu_paged
+from tests.engine.helpers import make_engine, random_prompt
 
 
 def _spec() -> KVCacheSpec:
@@ -48,3 +50,35 @@ def test_fork_copies_the_partial_block_in_head_major_memory():
         assert torch.equal(cache[:, d, 5:], old[:, d, 5:])  # the rest of the block untouched
         others = [b for b in range(8) if b != d]
         assert torch.equal(cache[:, others], old[:, others])
+
+
+def _token_major(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_engine_outputs_bitwise_in_either_layout(tiny_hf_model_dir, monkeypatch, backend):
+    """The engine's tokens and logprobs are bitwise the same on head-major and token-major caches: chunked
+    prefills (the last layer's write of every row), a prefix-cache hit (paged), n = 3 samples forking a
+    partial block, decodes; a sliding-window model."""
+    path = tiny_hf_model_dir("gemma3")  # sliding window 16: chunks and decodes cross it
+    base = random_prompt(40, seed=5)
+    later = [base[:36] + random_prompt(9, seed=6), random_prompt(23, seed=7)]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, n=3, logprobs=2)
+    every_row = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)  # its last layer keeps all rows
+
+    def run() -> tuple[bool, int, list[tuple]]:
+        eng = make_engine(path, backend=backend, block_size=8, size=13, prefix_caching=backend == "paged")
+        outs = eng.generate([base], params) + eng.generate([base], every_row)
+        outs += eng.generate(later, params)  # the first of these hits base's blocks (paged)
+        rows = [(o.request_id, o.sample_index, o.output_token_ids, o.logprobs, o.prompt_logprobs) for o in outs]
+        hits = sum(o.metrics.num_cached_tokens for o in outs)
+        return eng.kv.kv_caches[0].is_contiguous(), hits, rows
+
+    contiguous, hits, head_major = run()
+    monkeypatch.setattr("engine.kv_cache.layer_cache", _token_major)
+    contiguous_tm, hits_tm, token_major = run()
+    assert not contiguous and contiguous_tm  # the two layouts ran
+    assert hits == hits_tm and (hits > 0) == (backend == "paged")
+    assert len(head_major) == 10
+    assert head_major == token_major

@@ -9,6 +9,7 @@ prompt-logprobs step keeps them all: the most a forward of that shape can alloca
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.memory import profile_peak_bytes
@@ -42,3 +43,27 @@ def test_time_forward_times_the_rows_the_engine_computes(tiny_hf_model_dir):
     assert engine_rows == 2  # each sequence's sampling row
     assert timed_rows == engine_rows
     assert profiled_rows == 64  # every row: the upper bound
+
+
+def _caches_seen(model) -> tuple[list[list[torch.Tensor]], object]:
+    """The KV caches of every forward of `model` (a forward pre-hook); the list and its handle."""
+    seen: list[list[torch.Tensor]] = []
+    handle = model.register_forward_pre_hook(lambda _m, args: seen.append(list(args[2])))
+    return seen, handle
+
+
+def test_time_forward_reads_the_engine_cache_layout(tiny_hf_model_dir):
+    """A timed forward attends over caches laid out as the engine's (on the CPU head-major blocks on 2 MiB
+    pages, engine/kv_cache.layer_cache): a token-major throwaway cache times another kernel walk."""
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=2)
+    seen, handle = _caches_seen(eng.model)
+    try:
+        eng.time_forward([1, 1], [40, 24])
+    finally:
+        handle.remove()
+    timed = seen[0][0]
+    engine = eng.kv.kv_caches[0]
+    assert timed.shape[2:] == engine.shape[2:]
+    # Same layout: block, token and head strides in the same ratio (the block counts differ).
+    assert timed.stride()[2:] == engine.stride()[2:]
+    assert timed.stride(1) == engine.stride(1) and not timed.is_contiguous()

@@ -271,17 +271,20 @@ def test_large_decode_batch_threads(threads, head_major):
                     reason="x86 instruction-set variants, with FMA")
 def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
     """The AVX2 build and the portable (scalar-loop) build run the same operations as the AVX-512 one,
-    lane for lane and tree for tree: with FMA, the same bits."""
+    lane for lane and tree for tree: with FMA, the same bits; on token-major and on head-major caches
+    (the engine's: the blocked path reads the 70-token chunk's fp32 rows in place)."""
     cases = [
         ([(0, 70), (30, 1), (200, 1), (45, 33)], 8, 2, 64, None, None, torch.float32),
         ([(0, 100), (300, 1), (17, 9)], 4, 1, 40, 24, 20.0, torch.float32),  # head dim with a tail
         ([(10, 50), (90, 1)], 8, 8, 128, None, None, torch.bfloat16),
     ]
 
-    def outputs():
+    def outputs(head_major: bool = False):
         outs = []
         for seqs, heads, kv, d, window, softcap, dtype in cases:
             q, k, v, cache, meta = make_batch(seqs, heads, kv, d, 16, seed=d, dtype=dtype)
+            if head_major:
+                cache = _head_major(cache)
             outs.append(cpu_paged_attention(q, k, v, cache, meta, scale=d**-0.5, sliding_window=window, softcap=softcap))
         return outs
 
@@ -291,8 +294,9 @@ def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
         lib, _ = cpu_build.build_library(flags, tmp_path)
         assert lib.ladle_attention_isa().decode() == name
         monkeypatch.setattr("kernels.cpu_paged.load_library", lambda lib=lib: lib)
-        for want, got in zip(native, outputs()):
-            assert torch.equal(got, want), name
+        for head_major in (False, True):
+            for want, got in zip(native, outputs(head_major)):
+                assert torch.equal(got, want), f"{name}, head-major {head_major}"
 
 
 # -- dispatch ------------------------------------------------------------------------------------------

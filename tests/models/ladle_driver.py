@@ -11,16 +11,18 @@ import math
 
 import torch
 
+from engine.kv_cache import layer_cache
 from kernels import AttentionMetadata
 from models import CausalLM
 
 
 def make_kv_caches(model: CausalLM, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    """Zeroed caches in the engine's layout (engine/kv_cache.layer_cache: head-major blocks on the CPU)."""
     a = model.arch
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.num_layers)]
+    return [layer_cache(shape, dtype, device) for _ in range(a.num_layers)]
 
 
 class Sequence:
