@@ -39,7 +39,7 @@ from pathlib import Path
 SWITCH = "LADLE_STARTUP"  # 0/off/false/no: do nothing
 MARKER = "LADLE_STARTUP_EXEC"  # set for the re-executed process: it never executes itself again
 OFF = {"0", "off", "false", "no"}
-# How OpenMP's idle threads wait (docs/benchmarks.md section 10, runs 5-9). A user who set either
+# How OpenMP's idle threads wait (docs/benchmarks.md section 10, runs 5-10). A user who set either
 # variable chose between spinning and sleeping already: then both are theirs.
 OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 MALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
