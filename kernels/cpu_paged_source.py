@@ -504,6 +504,11 @@ struct Args {
 // Which lines an item requests ahead (Kernel::plan_head_prefetch).
 enum class Walk { head, heads, rows };
 
+// A key's rows of every head are one contiguous cache row (token-major blocks).
+inline bool whole_rows(const Args& a) {
+  return a.kv_stride_head == a.head_dim && a.kv_stride_token == int64_t(a.num_kv_heads) * a.head_dim;
+}
+
 struct Item {
   int32_t b, h0, h1, i0, i1;  // sequence, KV heads [h0, h1), query rows [i0, i1) of the sequence's chunk
   int64_t cost;
@@ -768,7 +773,7 @@ struct Kernel {
 
   // The whole cache rows (every KV head) of those keys: for items that take all heads of a sequence,
   // read in address order (each block's rows are contiguous), spread over the heads' computations.
-  // Token-major blocks only (whole_rows()); in head-major ones each head's rows are contiguous already.
+  // Token-major blocks only (whole_rows); in head-major ones each head's rows are contiguous already.
   void plan_prefetch_rows(const int64_t* off, int ks, int ke, Prefetcher& pf) const {
     const int64_t es = sizeof(KT);
     pf.plan(static_cast<const char*>(a.k_cache), static_cast<const char*>(a.v_cache), off, es,
@@ -777,8 +782,6 @@ struct Kernel {
 
   // Head h's row from a key's offset, in elements.
   int64_t head_offset(int h) const { return int64_t(h) * a.kv_stride_head; }
-  // A key's rows of every head are one contiguous cache row (token-major blocks).
-  bool whole_rows() const { return a.kv_stride_head == D && a.kv_stride_token == int64_t(a.num_kv_heads) * D; }
 
   // Key j's value row (head at element hoff): the cache itself (fp32) or s.vc (converted).
   void value_row(const int64_t* off, int64_t hoff, int j, Scratch& s) const {
@@ -1109,7 +1112,7 @@ struct Kernel {
     // Few rows per KV head (decodes) go row-wise; more are blocked, each head's rows padded to whole blocks.
     // Items of every head read the next lines in address order: whole cache rows (token-major blocks), or
     // head by head, each head's rows of a block contiguous (head-major).
-    const Walk walk = heads < a.num_kv_heads || heads == 1 ? Walk::head : whole_rows() ? Walk::rows : Walk::heads;
+    const Walk walk = heads < a.num_kv_heads || heads == 1 ? Walk::head : whole_rows(a) ? Walk::rows : Walk::heads;
     const bool blocked = nqg > ROWWISE_MAX;
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
@@ -1171,7 +1174,7 @@ inline void copy_bytes(char* dst, const char* src, int64_t bytes) {
 void write_kv(const Args& a) {
   const int64_t es = elem_size(a.kv_dtype), row = int64_t(a.head_dim) * es, hkv = a.num_kv_heads;
   const int64_t n = a.num_tokens, bs = a.block_size, sh_cache = a.kv_stride_head * es;
-  const bool cache_rows = a.kv_stride_head == a.head_dim && a.kv_stride_token == hkv * a.head_dim;
+  const bool cache_rows = whole_rows(a);
   const int threads = n * hkv * row >= (int64_t(1) << 18) ? a.num_threads : 1;
   auto copy = [&](const void* cache, const void* src, int64_t st, int64_t sh, int64_t t) {
     const int64_t slot = a.slot_mapping[t];
