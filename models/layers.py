@@ -238,9 +238,16 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         bias = arch.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = PackedLinear(
-            h, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
-        )
+        # The last layer attends with only the rows the caller reads (CausalLM passes `rows`), so its
+        # queries are projected for those rows alone: q apart from k|v. Everywhere else one q|k|v matmul.
+        self.split_q = layer == arch.num_layers - 1
+        if self.split_q:
+            self.q_proj = Linear(h, self.q_size, bias=bias)
+            self.kv_proj = PackedLinear(h, {"k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias)
+        else:
+            self.qkv_proj = PackedLinear(
+                h, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
+            )
         self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
@@ -267,9 +274,12 @@ class Attention(nn.Module):
             if self.q_norm.offset:
                 self.register_buffer("qk_norm_scale", 1.0 + weight.float(), persistent=False)
 
-    def _qk_norm_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The q and k heads [T, Hq + Hkv, D] side by side: the optional per-head norm (one over all
-        heads, each scaled by its own projection's weight), then one RoPE over both."""
+    def _qk_norm_rope(
+        self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: slice = slice(None)
+    ) -> torch.Tensor:
+        """Heads [T, H, D] of q and/or k (`heads`: which of the Hq + Hkv they are; q then k side by
+        side by default): the optional per-head norm (each head scaled by its own projection's weight),
+        then RoPE. Per (row, head), so q and k normed apart give the bits they give together."""
         fused = self.head_dim <= cpu_fused.MAX_HEAD_DIM and fused_cpu(qk)
         if self.q_norm is None:
             if fused:
@@ -279,11 +289,33 @@ class Attention(nn.Module):
         if weight is None:
             weight = self._qk_norm_weight()
         scale = getattr(self, "qk_norm_scale", None)
+        weight = weight[heads]
+        scale = None if scale is None else scale[heads]
         if fused:
             if self.q_norm.offset:
                 weight = 1.0 + weight.float() if scale is None else scale
             return cpu_fused.qk_norm_rope(qk, weight, self.q_norm.eps, cos, sin)
         return apply_rope(self.q_norm.with_weight(qk, weight, scale), cos, sin)
+
+    def _project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [R, Hq, D] (R: `rows` where this layer projects queries for those alone, else every row),
+        k and v [T, Hkv, D]; q and k normed and rotated."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if not self.split_q:
+            qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            q, k = self._qk_norm_rope(qk.view(t, hq + hkv, d), *rope).split([hq, hkv], dim=1)
+            return q, k, v.view(t, hkv, d)
+        # oneDNN reduces each output column the same way whatever columns sit beside it, so these are
+        # bitwise the packed q|k|v's columns (tests/models/test_layers_split_q.py).
+        k, v = self.kv_proj(x).split(self.kv_size, dim=-1)
+        k = self._qk_norm_rope(k.view(t, hkv, d), *rope, heads=slice(hq, None))
+        cos, sin = rope
+        if rows is not None:
+            x, cos, sin = x.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows)
+        q = self._qk_norm_rope(self.q_proj(x).view(-1, hq, d), cos, sin, heads=slice(0, hq))
+        return q, k, v.view(t, hkv, d)
 
     def forward(
         self,
@@ -298,14 +330,13 @@ class Attention(nn.Module):
         rows (the last layer; kernels.metadata.OutputRows): keys and values of every row go to the cache,
         but only `rows` attend, and only theirs are returned."""
         t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self._qk_norm_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k, v = self._project(x, rope, rows)
         k_all = v_all = None
         if rows is not None:
             k_all, v_all = k, v  # written to the cache for every row: later steps read them
-            q, k, v = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+            if not self.split_q:  # a split layer projected the rows' queries alone
+                q = q.index_select(0, rows)
             t = rows.shape[0]
         if meta is None:
             window, softcap = self.sliding_window or -1, self.softcap or 0.0

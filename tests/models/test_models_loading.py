@@ -220,7 +220,8 @@ def test_one_place_decides_dtype():
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_packed_projections_hold_the_checkpoint_tensors_row_for_row(tiny_hf_model_dir, name):
-    """qkv_proj = cat(q, k, v) and gate_up_proj = cat(gate, up) of the checkpoint, in that order."""
+    """qkv_proj = cat(q, k, v) and gate_up_proj = cat(gate, up) of the checkpoint, in that order; the last
+    layer's q_proj = q and kv_proj = cat(k, v)."""
     path = tiny_hf_model_dir(name)
     tensors = load_file(str(next(path.glob("*.safetensors"))))
     model = load(path)
@@ -228,5 +229,10 @@ def test_packed_projections_hold_the_checkpoint_tensors_row_for_row(tiny_hf_mode
         prefix = f"model.layers.{i}"
         qkv = [tensors[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
         gate_up = [tensors[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
-        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+        attn = layer.self_attn
+        if i == len(model.model.layers) - 1:
+            assert attn.split_q and not hasattr(attn, "qkv_proj")
+            assert torch.equal(attn.q_proj.weight, qkv[0]) and torch.equal(attn.kv_proj.weight, torch.cat(qkv[1:]))
+        else:
+            assert torch.equal(attn.qkv_proj.weight, torch.cat(qkv))
         assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))

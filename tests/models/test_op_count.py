@@ -42,11 +42,12 @@ def test_decode_ops_per_layer_within_budget(models, name, context_lens):
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_each_layer_runs_four_matmuls(models, name):
-    """Packed projections: qkv, o, gate_up, down (seven before packing)."""
+    """Packed projections: qkv, o, gate_up, down (seven before packing); the last layer projects q apart
+    from k|v (its queries only for the rows the caller reads)."""
     model = models[name]
     caches = make_kv_caches(model, 3, 16)
     meta = AttentionMetadata.build([1, 1], [13, 8], [[1], [2]], 16)
     counter, scopes = count_layer_ops(model, torch.tensor([5, 6]), torch.tensor([12, 7]), caches, meta)
     for scope in scopes:
         counts = counter.counts[scope]
-        assert sum(counts[op] for op in MATMUL_OPS) == 4, (scope, dict(counts))
+        assert sum(counts[op] for op in MATMUL_OPS) == (5 if scope == scopes[-1] else 4), (scope, dict(counts))
