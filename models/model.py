@@ -1,8 +1,9 @@
 """The causal LM every family shares: embeddings, decoder layers, final norm, LM head.
 
 Module names mirror transformers' (`model.embed_tokens`, `model.layers.N.self_attn.o_proj`,
-`model.norm`, `lm_head`); q/k/v and gate/up are packed into `qkv_proj` and `gate_up_proj`, which the
-loader fills from the checkpoint's separate tensors (models/loader.py, checkpoint_targets).
+`model.norm`, `lm_head`); q/k/v and gate/up are packed into `qkv_proj` and `gate_up_proj` (the last
+layer: `q_proj` and a packed `kv_proj`, models/layers.Attention.split_q), which the loader fills from the
+checkpoint's separate tensors (models/loader.py, checkpoint_targets).
 """
 
 from __future__ import annotations
