@@ -83,3 +83,39 @@ def test_a_forward_with_split_queries_is_the_packed_forward_bitwise(family):
         ref = reference(ids[:24], positions, ref_caches, meta)
     assert out.shape[0] == 4 and torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+# (hidden, q, k|v width): Qwen3-0.6B, Llama-3.2-1B, an odd one. oneDNN picks its blocking from the shape,
+# so the tiny models' 64-wide layers alone do not show that a column's bits ignore its neighbours here.
+REAL_SHAPES = [(1024, 2048, 1024), (2048, 2048, 512), (1000, 96, 40)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("h,q,kv", REAL_SHAPES, ids=[f"{h}-{q}-{kv}" for h, q, kv in REAL_SHAPES])
+@torch.inference_mode()
+def test_split_projections_are_the_packed_columns_at_real_shapes(h, q, kv, threads):
+    """q_proj on the kept rows and kv_proj on every row give the packed q|k|v's columns bit for bit, biases
+    included, at the row counts a step produces (one row, exact small widths, padded larger ones)."""
+    from models.linear import Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("needs torch built with oneDNN")
+    gen = torch.Generator().manual_seed(h + q)
+    packed = PackedLinear(h, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=True).requires_grad_(False)
+    q_proj, kv_proj = Linear(h, q, bias=True).requires_grad_(False), PackedLinear(h, {"k": kv, "v": kv}, bias=True)
+    kv_proj.requires_grad_(False)
+    packed.weight.copy_(torch.randn(q + 2 * kv, h, generator=gen) * 0.05)
+    packed.bias.copy_(torch.randn(q + 2 * kv, generator=gen))
+    q_proj.weight.copy_(packed.weight[:q]), q_proj.bias.copy_(packed.bias[:q])
+    kv_proj.weight.copy_(packed.weight[q:]), kv_proj.bias.copy_(packed.bias[q:])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in (1, 3, 17, 40, 300):
+            x = torch.randn(t, h, generator=gen)
+            kept = torch.arange(t - 1, -1, -max(1, t // 4)).flip(0)  # the last row and a few before it
+            full = packed(x)
+            assert torch.equal(kv_proj(x), full[:, q:]), t
+            assert torch.equal(q_proj(x.index_select(0, kept)), full[kept, :q]), t
+    finally:
+        torch.set_num_threads(before)
