@@ -12,7 +12,10 @@ The rules, per subschema:
   them is ignored. Beside a combinator or `$ref` only annotations are allowed; an `enum`/`const` may
   keep siblings when every listed value satisfies them (checked here with jsonschema).
 - Without `type`, string/number/`required` constraints are ignored (`properties`/`items` imply the type).
-- Not enforced at all: `uniqueItems`, `contains`/`minContains`/`maxContains`, `dependentRequired`,
+  With a `type` that excludes their kind of value they constrain nothing (JSON Schema applies them to
+  strings, numbers, objects only), so `{"type": "integer", "maxLength": 3}` is accepted as it stands.
+- Not enforced at all: `uniqueItems`, `contains` (`minContains`/`maxContains` mean nothing without it),
+  `dependentRequired`,
   `dependentSchemas`, `dependencies`, `not`, `if`/`then`/`else`, `$dynamicRef`; `pattern` together with
   `minLength`/`maxLength`; `multipleOf` except a whole number on an integer; `required` naming a
   property not in `properties`; `allOf` of more than one schema; `oneOf` whose branches may overlap
@@ -35,8 +38,6 @@ ANNOTATIONS = frozenset({
 NEVER = {
     "uniqueItems": "xgrammar does not enforce uniqueItems; drop it or check the outputs afterwards",
     "contains": "xgrammar does not enforce contains; use prefixItems or items instead",
-    "minContains": "xgrammar does not enforce minContains",
-    "maxContains": "xgrammar does not enforce maxContains",
     "dependentRequired": "xgrammar does not enforce dependentRequired; list the properties in required",
     "dependentSchemas": "xgrammar does not enforce dependentSchemas",
     "dependencies": "xgrammar does not enforce dependencies",
@@ -119,26 +120,31 @@ def _node_problem(node: dict, root: Any) -> str | None:
 
 def _typed_problem(node: dict) -> str | None:
     types = _types(node)
+    # Untyped, a node admits any value and the grammar drops these keywords: laxer than the schema. Typed
+    # without their kind (a maxLength on an integer), they hold for every value the type admits anyway.
+    untyped = not types
     for key in STRING_KEYS:
-        if key in node and "string" not in types:
+        if key in node and untyped:
             return f"{key!r} without \"type\": \"string\" is ignored by the grammar engine; add the type"
     for key in NUMBER_KEYS:
-        if key in node and not types & {"integer", "number"}:
+        if key in node and untyped:
             return f"{key!r} without \"type\": \"integer\" or \"number\" is ignored; add the type"
-    if "required" in node and "object" not in types and "properties" not in node:
+    if "required" in node and untyped and "properties" not in node:
         return "'required' without \"type\": \"object\" is ignored by the grammar engine; add the type"
-    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+    if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
         return ("'pattern' together with 'minLength'/'maxLength' drops the lengths; "
                 "write the lengths into the pattern (e.g. ^[a-z]{3,8}$)")
-    if "format" in node and node["format"] not in ENFORCED_FORMATS:
+    if "string" in types and "format" in node and node["format"] not in ENFORCED_FORMATS:
         return (f"format {node['format']!r} is not enforced; use one of {sorted(ENFORCED_FORMATS)} "
                 f"or a 'pattern'")
-    if "multipleOf" in node:
+    if "multipleOf" in node and types & {"integer", "number"}:
         m = node["multipleOf"]
         whole = isinstance(m, int) or (isinstance(m, float) and math.isfinite(m) and m.is_integer())
         if types != {"integer"} or not whole:
             return (f"'multipleOf': {m!r} is only enforced as a whole number on \"type\": \"integer\" "
                     f"(this schema has type {sorted(types)})")
+    if types and "object" not in types:
+        return None  # 'required' constrains objects only
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     for name in node.get("required") or []:
         if name not in props:

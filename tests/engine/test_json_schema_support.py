@@ -111,6 +111,13 @@ ENFORCED = {
         {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]}, {"k": "c"}, {"k": "b"}),
     "allOf of one": ({"allOf": [{"type": "integer", "minimum": 3}]}, 2, 3),
     "$ref": ({"$defs": {"p": {"type": "integer", "minimum": 3}}, "$ref": "#/$defs/p", "description": "d"}, 2, 3),
+    # A keyword for another kind of value than the type admits constrains nothing: accepted, not refused.
+    "maxLength on an integer": ({"type": "integer", "maxLength": 2}, "ab", 123456),
+    "maxLength on null": ({"type": "null", "maxLength": 1}, "a", None),
+    "minimum on a string": ({"type": "string", "minimum": 3}, 1, "x"),
+    "required on an integer": ({"type": "integer", "required": ["a"]}, {"a": 1}, 5),
+    "format on an integer": ({"type": "integer", "format": "int32"}, "x", 7),
+    "minContains without contains": ({"type": "array", "items": {"type": "integer"}, "minContains": 0}, ["x"], [1]),
     "annotations": ({"type": "integer", "title": "t", "description": "d", "default": 1, "examples": [1],
                      "deprecated": False, "readOnly": True, "$comment": "c"}, "x", 1),
 }
