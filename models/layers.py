@@ -300,13 +300,13 @@ class Attention(nn.Module):
     def _project(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [R, Hq, D] (R: `rows` where this layer projects queries for those alone, else every row),
-        k and v [T, Hkv, D]; q and k normed and rotated."""
+        """q [R, Hq, D] of the rows that attend (`rows`, or every row when None), k and v [T, Hkv, D] of
+        every row; q and k normed and rotated."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if not self.split_q:
             qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             q, k = self._qk_norm_rope(qk.view(t, hq + hkv, d), *rope).split([hq, hkv], dim=1)
-            return q, k, v.view(t, hkv, d)
+            return (q if rows is None else q.index_select(0, rows)), k, v.view(t, hkv, d)
         # oneDNN reduces each output column the same way whatever columns sit beside it, so these are
         # bitwise the packed q|k|v's columns (tests/models/test_layers_split_q.py).
         k, v = self.kv_proj(x).split(self.kv_size, dim=-1)
@@ -335,8 +335,6 @@ class Attention(nn.Module):
         if rows is not None:
             k_all, v_all = k, v  # written to the cache for every row: later steps read them
             k, v = k.index_select(0, rows), v.index_select(0, rows)
-            if not self.split_q:  # a split layer projected the rows' queries alone
-                q = q.index_select(0, rows)
             t = rows.shape[0]
         if meta is None:
             window, softcap = self.sliding_window or -1, self.softcap or 0.0
