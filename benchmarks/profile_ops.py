@@ -5,7 +5,7 @@ Runs benchmarks/vs_vllm.py's ladle workload (random Qwen3 166M, 32 prompts / ~12
 measurement, and reports each op's self time in seconds. The C++ attention kernel is called through
 ctypes, which the profiler cannot see: it is wrapped in a record_function named
 `ladle::cpu_paged_attention` (and the fused CPU kernels `ladle::add_rms_norm`, `ladle::gated_activation`,
-`ladle::qk_norm_rope` where the checkout has them). "other" is the
+`ladle::qk_norm_rope`, and the linear layers' `ladle::cpu_gemm`, where the checkout has them). "other" is the
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
 
 `--source DIR` (repeatable, `label=DIR`) profiles the engine code of another checkout, e.g. the
@@ -48,6 +48,11 @@ def _wrap_untraced_kernels() -> None:
     from kernels import cpu_paged
 
     named(cpu_paged, "cpu_paged_attention", "ladle::cpu_paged_attention")
+    try:
+        from kernels import cpu_gemm
+        named(cpu_gemm, "gemm", "ladle::cpu_gemm")
+    except ImportError:  # a checkout from before the GEMM kernel
+        pass
     try:
         from kernels import cpu_fused
     except ImportError:  # a checkout from before the fused kernels

@@ -9,6 +9,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import cpu_gemm
+
 # Metadata-only ops: no kernel, no data touched.
 VIEW_OPS = frozenset(
     f"aten.{name}"
@@ -19,9 +21,10 @@ VIEW_OPS = frozenset(
     )
 )  # fmt: skip
 
-# The GEMM of a linear layer: torch's (MKL on the CPU, cuBLAS on CUDA) or oneDNN's on a packed weight
-# (models/linear.py, CPU fp32).
-MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "mkldnn._linear_pointwise"})
+# The GEMM of a linear layer: torch's (MKL on the CPU, cuBLAS on CUDA), oneDNN's on a packed weight, or
+# ladle's (models/linear.py, CPU fp32; a ctypes call, no aten op: count_layer_ops records it by name).
+LADLE_GEMM = "ladle.cpu_gemm"
+MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "mkldnn._linear_pointwise", LADLE_GEMM})
 
 
 class AtenOpCounter(TorchDispatchMode):
@@ -33,8 +36,11 @@ class AtenOpCounter(TorchDispatchMode):
         self.counts: dict[str, Counter[str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts.setdefault(self.scope, Counter())[str(func.overloadpacket)] += 1
+        self.record(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+    def record(self, op: str) -> None:
+        self.counts.setdefault(self.scope, Counter())[op] += 1
 
     def compute_ops(self, scope: str) -> int:
         return sum(n for op, n in self.counts.get(scope, Counter()).items() if op not in VIEW_OPS)
@@ -45,18 +51,27 @@ class AtenOpCounter(TorchDispatchMode):
 
 def count_layer_ops(model, *forward_args) -> tuple[AtenOpCounter, list[str]]:
     """Run model(*forward_args) once under the counter with each decoder layer as its own scope
-    (`layer.N`); returns the counter and the layer scope names."""
+    (`layer.N`); returns the counter and the layer scope names. ladle's GEMM (kernels/cpu_gemm, called
+    through ctypes, invisible to the dispatcher) is counted as the op LADLE_GEMM."""
     counter = AtenOpCounter()
+    gemm = cpu_gemm.gemm
+
+    def counted_gemm(*args, **kwargs):
+        counter.record(LADLE_GEMM)
+        return gemm(*args, **kwargs)
+
     layers = list(model.model.layers)
     scopes = [f"layer.{i}" for i in range(len(layers))]
     handles = []
     for scope, layer in zip(scopes, layers):
         handles.append(layer.register_forward_pre_hook(lambda *_, s=scope: setattr(counter, "scope", s)))
         handles.append(layer.register_forward_hook(lambda *_: setattr(counter, "scope", "other")))
+    cpu_gemm.gemm = counted_gemm
     try:
         with torch.no_grad(), counter:  # not inference_mode: it shows composites (linear) undecomposed
             model(*forward_args)
     finally:
+        cpu_gemm.gemm = gemm
         for h in handles:
             h.remove()
     return counter, scopes

@@ -10,7 +10,7 @@ import torch
 from kernels import AttentionMetadata, cpu_fused
 from models import load_model
 from models.layers import fused_cpu
-from models.op_count import count_layer_ops
+from models.op_count import MATMUL_OPS, count_layer_ops
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 
@@ -92,6 +92,6 @@ def test_fused_layers_run_fewer_ops(name, fused_switch):
         fused_switch(on)
         counter, scopes = count_layer_ops(model, *args)
         counts[on] = sum(counter.compute_ops(s) for s in scopes) / len(scopes)
-        matmuls = sum(counter.counts[s][op] for s in scopes for op in ("aten.mm", "aten.addmm", "mkldnn._linear_pointwise"))
+        matmuls = sum(counter.counts[s][op] for s in scopes for op in MATMUL_OPS)
         assert matmuls == 4 * len(scopes) + 1  # the last layer's q apart from its k|v
     assert counts[True] <= counts[False] - 8, counts

@@ -1,0 +1,152 @@
+"""CPU float32 GEMM for the linear layers (C++ in kernels/cpu_gemm_source.py): oneDNN's bits, faster.
+
+Why our own: oneDNN's packed inner product (models/linear.py) runs a few-row GEMM, a decode step's,
+in about the weight's DRAM time *plus* its compute time (the 166M model's linears: ~13 ms + ~1.0 ms
+per row at one thread), where the two could overlap. This kernel streams the packed weight with
+software prefetches far enough ahead to hide DRAM latency behind the multiply-adds: 1.25-1.35x
+faster from 8 to 32 rows, and 1.05x at 512 rows (benchmarks/linear_cpu.py, docs/benchmarks.md 5c).
+
+Numerics (the contract): every output element is oneDNN's sum, bit for bit. Measured on oneDNN 3.x's
+AVX-512 fp32 kernels (torch 2.13): an output is one fused multiply-add chain per block of K, in
+increasing k from +0, the blocks' partial sums added left to right, blocks of K itself up to 512,
+of 512 up to 1024, of 1024 beyond (`k_block`), whatever M, N, the row's position or the threads.
+This kernel computes exactly that, so a row's bits depend on nothing but the row and the weight
+(batch-invariant by construction), and switching a layer between this kernel and oneDNN changes
+nothing. `matches_onednn` re-proves the equality per weight shape before a layer uses the kernel
+(models/linear.py); where it fails (another oneDNN, another blocking), the layer keeps oneDNN.
+
+AVX-512 only (the chains are 16-lane vectors over columns); elsewhere `available()` is False.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_build import ARCH_FLAGS, compile_cached
+from kernels.cpu_gemm_source import SOURCE
+from kernels.cpu_paged import zeros_on_huge_pages
+
+log = logging.getLogger("ladle.kernels")
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _open(path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ladle_gemm_isa.restype = ctypes.c_char_p
+    lib.ladle_gemm_packed_numel.argtypes, lib.ladle_gemm_packed_numel.restype = [_I32, _I32], _I64
+    lib.ladle_gemm_pack.argtypes, lib.ladle_gemm_pack.restype = [_P, _I64, _P, _I32, _I32], _I32
+    lib.ladle_gemm.argtypes = [_P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32]
+    lib.ladle_gemm.restype = _I32
+    return lib
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The kernel, built at first use (-march=native first); None when it cannot be built."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = None
+            for arch in ARCH_FLAGS:
+                try:
+                    path, _ = compile_cached(SOURCE, "libladle_gemm", list(arch))
+                    _state["lib"] = _open(path)
+                    break
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                    _state["error"] = f"{type(e).__name__}: {e}"
+            if _state["lib"] is None:
+                log.warning("CPU GEMM kernel unavailable, the linear layers keep oneDNN: %s", _state.get("error"))
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether linear layers may use this kernel: built with AVX-512, and not switched off
+    (LADLE_CPU_GEMM=0, or set_enabled(False))."""
+    on = _state.get("enabled")
+    if on is None:
+        lib = load_library()
+        on = _state["enabled"] = (
+            os.environ.get("LADLE_CPU_GEMM", "1") != "0" and lib is not None and lib.ladle_gemm_isa() == b"avx512"
+        )
+    return on  # type: ignore[return-value]
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernel on or off for layers packed from now on (benchmarks compare both in one run)."""
+    _state.pop("enabled", None)
+    _state["enabled"] = on and available()
+
+
+def k_block(k: int) -> int:
+    """oneDNN's K blocking for an fp32 AVX-512 inner product of K inputs (measured; see the module)."""
+    return k if k <= 512 else 512 if k <= 1024 else 1024
+
+
+@dataclass(slots=True, eq=False)
+class PackedWeight:
+    """A weight [N, K] in the kernel's layout (column groups of 32, a flat float32 tensor)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    kb: int
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def pack(weight: torch.Tensor, kb: int | None = None) -> PackedWeight:
+    """weight [N, K] (CPU float32, unit last stride) packed for `gemm`; kb: K block (default k_block)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError(f"the CPU GEMM kernel is not available: {_state.get('error')}")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"cpu_gemm.pack takes a 2-D CPU float32 weight, not {weight.dtype} {tuple(weight.shape)}")
+    w = weight.detach()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    n, k = w.shape
+    # On 2 MiB pages where the OS allows: a few-row GEMM streams the whole weight (3-5% faster at 2-8 rows).
+    data = zeros_on_huge_pages((lib.ladle_gemm_packed_numel(n, k),), torch.float32)
+    if lib.ladle_gemm_pack(w.data_ptr(), w.stride(0), data.data_ptr(), n, k) != 0:
+        raise ValueError(f"cpu_gemm.pack: empty weight {tuple(w.shape)}")
+    return PackedWeight(data, n, k, k_block(k) if kb is None else kb)
+
+
+def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (CPU float32) @ weight.T -> a fresh [M, N]."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"cpu_gemm.gemm: x {x.dtype} {tuple(x.shape)} does not fit a weight "
+                         f"[{packed.out_features}, {packed.in_features}]")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], packed.out_features
+    out = torch.empty(m, n, dtype=torch.float32)
+    code = load_library().ladle_gemm(x.data_ptr(), x.stride(0) if m > 1 else packed.in_features,
+                                     packed.data.data_ptr(), out.data_ptr(), n, m, n, packed.in_features,
+                                     packed.kb, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"ladle_gemm rejected its arguments (code {code})")
+    return out
+
+
+@torch.no_grad()
+def matches_onednn(weight: torch.Tensor, packed: PackedWeight, rows: tuple[int, ...] = (1, 2, 13, 40)) -> bool:
+    """Whether `gemm` gives oneDNN's packed inner product bit for bit on this weight, for random
+    inputs at these row counts (a fixed generator: the global RNG is untouched)."""
+    gen = torch.Generator().manual_seed(0)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    for m in rows:
+        x = torch.randn(max(m, 2), weight.shape[1], generator=gen) * 2
+        ref = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")[:m]
+        if not torch.equal(gemm(x[:m], packed), ref):
+            return False
+    return True

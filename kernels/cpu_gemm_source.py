@@ -1,0 +1,175 @@
+"""C++ source of the CPU float32 GEMM (built at first use by kernels/cpu_gemm.py).
+
+Kept as a Python string so an installed package always carries it. The numerical contract (the same
+K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
+"""
+
+SOURCE = r"""
+// ladle CPU GEMM, float32, AVX-512: out[M][N] = x[M][K] @ W[N][K]^T, W packed once into column
+// groups of 32 ([group][k][32]: one k step of a group is two consecutive cache lines). Every output is
+// one fused multiply-add chain per K block of KB, in increasing k from +0, the blocks' partial sums
+// added left to right: a function of its own row and column alone, never of M, the other rows or
+// the threads. The weight stream is prefetched PF bytes ahead: without it a few-row GEMM costs the
+// weight's DRAM time plus its compute time instead of the larger of the two.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifndef LADLE_GEMM_PF
+#define LADLE_GEMM_PF 8192
+#endif
+
+namespace {
+constexpr int GW = 32;  // columns per group: two 16-lane vectors
+constexpr int MR = 12;  // rows per micro-kernel: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
+constexpr int SLAB = 20 * MR;  // rows packed at a time
+
+int64_t groups_of(int n) { return (int64_t(n) + GW - 1) / GW; }
+
+#if defined(__AVX512F__)
+// R rows (xp: [k][MR], the rows' k-th elements together) x one group's 32 columns (p: [k][32]) over
+// the keys [k0, k1); the first block stores, later ones add their partial sums to out.
+template <int R>
+__attribute__((always_inline)) inline void micro(const float* xp, const float* p, int k0, int k1, float* out, int64_t ldo, bool first,
+                  int cols) {
+  __m512 acc[R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const float* pk = p + int64_t(k0) * GW;
+  const float* xk = xp + int64_t(k0) * MR;
+  for (int k = k0; k < k1; ++k, pk += GW, xk += MR) {
+    const __m512 b0 = _mm512_loadu_ps(pk), b1 = _mm512_loadu_ps(pk + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(pk) + LADLE_GEMM_PF, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pk) + LADLE_GEMM_PF + 64, _MM_HINT_T0);
+    for (int m = 0; m < R; ++m) {
+      const __m512 a = _mm512_set1_ps(xk[m]);
+      acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1u);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1u);
+  for (int m = 0; m < R; ++m) {
+    float* o = out + m * ldo;
+    __m512 v0 = acc[m][0], v1 = acc[m][1];
+    if (!first) {
+      v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), v0);
+      v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), v1);
+    }
+    _mm512_mask_storeu_ps(o, m0, v0);
+    _mm512_mask_storeu_ps(o + 16, m1, v1);
+  }
+}
+
+__attribute__((always_inline)) inline void micro_rows(int r, const float* xp, const float* p, int k0, int k1,
+                                                      float* out, int64_t ldo, bool first, int cols) {
+  switch (r) {
+#define LADLE_ROWS(R) case R: return micro<R>(xp, p, k0, k1, out, ldo, first, cols);
+    LADLE_ROWS(1) LADLE_ROWS(2) LADLE_ROWS(3) LADLE_ROWS(4) LADLE_ROWS(5) LADLE_ROWS(6)
+    LADLE_ROWS(7) LADLE_ROWS(8) LADLE_ROWS(9) LADLE_ROWS(10) LADLE_ROWS(11) default: LADLE_ROWS(12)
+#undef LADLE_ROWS
+  }
+}
+
+// Rows [MR c, MR c + MR) of x into xb's chunk c as [K][MR] (the micro-kernel's broadcasts then read
+// consecutive floats: rows K floats apart fall in the same L1 sets).
+// Four rows at a time go through 4 x 4 transposes (a quarter of the stores of an element-wise copy:
+// 5% of a 512-row GEMM's time that way).
+void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
+  const int m0 = c * MR, rows = std::min(MR, M - m0);
+  float* dst = xb + int64_t(c) * K * MR;
+  int m = 0;
+  for (; m + 4 <= rows; m += 4) {
+    const float* r0 = x + int64_t(m0 + m) * ldx;
+    const float *r1 = r0 + ldx, *r2 = r1 + ldx, *r3 = r2 + ldx;
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+      __m128 a = _mm_loadu_ps(r0 + k), b = _mm_loadu_ps(r1 + k), c2 = _mm_loadu_ps(r2 + k), d = _mm_loadu_ps(r3 + k);
+      _MM_TRANSPOSE4_PS(a, b, c2, d);
+      float* o = dst + int64_t(k) * MR + m;
+      _mm_storeu_ps(o, a);
+      _mm_storeu_ps(o + MR, b);
+      _mm_storeu_ps(o + 2 * MR, c2);
+      _mm_storeu_ps(o + 3 * MR, d);
+    }
+    for (; k < K; ++k)
+      for (int i = 0; i < 4; ++i) dst[int64_t(k) * MR + m + i] = x[int64_t(m0 + m + i) * ldx + k];
+  }
+  for (; m < rows; ++m) {
+    const float* src = x + int64_t(m0 + m) * ldx;
+    for (int k = 0; k < K; ++k) dst[int64_t(k) * MR + m] = src[k];
+  }
+}
+
+// One column group, every row chunk, block by block (a block's slice of the group stays in L2
+// while the row chunks pass over it).
+void group(const float* xb, const float* p, float* out, int64_t ldo, int M, int N, int K, int kb, int64_t g) {
+  const float* pg = p + g * K * GW;
+  const int cols = int(std::min<int64_t>(GW, N - g * GW));
+  for (int k0 = 0; k0 < K; k0 += kb) {
+    const int k1 = std::min(K, k0 + kb);
+    for (int m0 = 0; m0 < M; m0 += MR)
+      micro_rows(std::min(MR, M - m0), xb + int64_t(m0) * K, pg, k0, k1, out + m0 * ldo + g * GW, ldo, k0 == 0,
+                 cols);
+  }
+}
+#endif
+}  // namespace
+
+extern "C" {
+
+const char* ladle_gemm_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "none";
+#endif
+}
+
+int64_t ladle_gemm_packed_numel(int n, int k) { return groups_of(n) * k * GW; }
+
+// W [N][K] (rows ldw apart) into p [groups][K][32], zeros past N.
+int ladle_gemm_pack(const float* w, int64_t ldw, float* p, int n, int k) {
+  if (n <= 0 || k <= 0) return 1;
+  for (int64_t g = 0; g < groups_of(n); ++g)
+    for (int kk = 0; kk < k; ++kk)
+      for (int l = 0; l < GW; ++l) {
+        const int64_t col = g * GW + l;
+        p[(g * k + kk) * GW + l] = col < n ? w[col * ldw + kk] : 0.0f;
+      }
+  return 0;
+}
+
+// out [M][N] (rows ldo apart) = x [M][K] (rows ldx apart) @ W^T, K blocks of kb; 0 on success.
+int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
+               int threads) {
+#if defined(__AVX512F__)
+  if (m < 0 || n <= 0 || k <= 0 || kb <= 0) return 1;
+  if (m == 0) return 0;
+  // Rows go in slabs of SLAB: the packed rows stay bounded (SLAB x K floats, not a copy of x) and a
+  // slab's slice of a K block stays in L2 while the column groups pass over it.
+  const int slab_chunks = (std::min(m, SLAB) + MR - 1) / MR;
+  static thread_local std::vector<float> xbuf;  // the caller's thread owns it; the team fills it
+  if (xbuf.size() < size_t(slab_chunks) * k * MR) xbuf.resize(size_t(slab_chunks) * k * MR);
+  float* xb = xbuf.data();
+  const int64_t ng = groups_of(n);
+  const int team = int(std::min<int64_t>(std::max(threads, 1), ng));
+#pragma omp parallel num_threads(team) if (team > 1)
+  for (int s0 = 0; s0 < m; s0 += SLAB) {
+    const int rows = std::min(SLAB, m - s0), chunks = (rows + MR - 1) / MR;
+#pragma omp for schedule(static)
+    for (int c = 0; c < chunks; ++c) pack_rows(x + s0 * ldx, ldx, rows, k, c, xb);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < ng; ++g) group(xb, p, out + s0 * ldo, ldo, rows, n, k, kb, g);
+  }
+  return 0;
+#else
+  (void)x; (void)ldx; (void)p; (void)out; (void)ldo; (void)m; (void)n; (void)k; (void)kb; (void)threads;
+  return 2;  // no AVX-512: the caller keeps oneDNN
+#endif
+}
+
+}  // extern "C"
+"""

@@ -1,0 +1,111 @@
+"""kernels/cpu_gemm: oneDNN's bits at every shape and row count, and models/linear.py's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_gemm
+from models import linear as linear_mod
+from models.linear import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU GEMM kernel needs AVX-512")
+
+
+def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed inner product, two rows at least (its one-row kernel sums in another order)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    x2 = x if x.shape[0] >= 2 else x.expand(2, -1)
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")[: x.shape[0]]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thr", "2thr"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# K on each side of oneDNN's block edges (512, 1024) and not a multiple of 16; N not a multiple of 32.
+@pytest.mark.parametrize("n,k", [(64, 16), (33, 77), (100, 512), (96, 513), (1000, 1024), (48, 1025),
+                                 (70, 3072), (31, 4100)])
+def test_bitwise_onednn_at_every_row_count(threads, n, k):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen)
+    packed = cpu_gemm.pack(w)
+    for m in (1, 2, 3, 11, 12, 13, 25, 64, 131):
+        x = torch.randn(m, k, generator=gen) * 3
+        out = cpu_gemm.gemm(x, packed)
+        assert out.shape == (m, n)
+        assert torch.equal(out, onednn(x, w)), (m, n, k)
+
+
+def test_a_rows_bits_do_not_depend_on_the_others_or_the_threads():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 1100, generator=gen)
+    packed = cpu_gemm.pack(w)
+    row = torch.randn(1, 1100, generator=gen)
+    alone = cpu_gemm.gemm(row, packed)[0]
+    before = torch.get_num_threads()
+    try:
+        for threads, m, at in ((1, 40, 39), (2, 40, 0), (2, 7, 3), (1, 512, 300)):
+            torch.set_num_threads(threads)
+            x = torch.randn(m, 1100, generator=gen)
+            x[at] = row[0]
+            assert torch.equal(cpu_gemm.gemm(x, packed)[at], alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_rows_empty_input_and_bad_shapes():
+    w = torch.randn(40, 96)
+    packed = cpu_gemm.pack(w)
+    big = torch.randn(5, 200)
+    x = big[:, 10:106]  # rows 200 floats apart
+    assert torch.equal(cpu_gemm.gemm(x, packed), cpu_gemm.gemm(x.contiguous(), packed))
+    assert cpu_gemm.gemm(torch.empty(0, 96), packed).shape == (0, 40)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_gemm.gemm(torch.randn(2, 95), packed)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.pack(w.to(torch.bfloat16))
+
+
+def test_a_wrong_k_block_is_caught_by_the_check():
+    """The check that guards models/linear.py can fail: a blocking that is not oneDNN's is refused."""
+    w = torch.randn(64, 2048)
+    assert cpu_gemm.matches_onednn(w, cpu_gemm.pack(w))
+    assert not cpu_gemm.matches_onednn(w, cpu_gemm.pack(w, kb=512))
+
+
+def test_linear_uses_the_kernel_without_bias_and_onednn_with_it():
+    plain, biased = Linear(256, 80), Linear(256, 80, bias=True)
+    for layer in (plain, biased):
+        layer.requires_grad_(False)
+        layer.derive_weights()
+    assert isinstance(plain._packed, cpu_gemm.PackedWeight)
+    assert not isinstance(biased._packed, cpu_gemm.PackedWeight) and biased._packed is not None
+    x = torch.randn(3, 5, 256)
+    assert torch.equal(plain(x), onednn(x.reshape(15, 256), plain.weight).view(3, 5, 80))
+    assert plain.packed_bytes() == 3 * 256 * 32 * 4  # 80 columns padded to 3 groups of 32
+
+
+def test_linear_keeps_onednn_where_the_bits_would_differ(monkeypatch):
+    """A shape where the kernel does not reproduce oneDNN (here: a forced wrong blocking) stays on
+    oneDNN, so a layer's bits never depend on which path it took."""
+    monkeypatch.setattr(cpu_gemm, "k_block", lambda k: 256)
+    monkeypatch.setattr(linear_mod, "_gemm_matches", {})
+    layer = Linear(1024, 48)
+    layer.requires_grad_(False)
+    layer.derive_weights()
+    assert not isinstance(layer._packed, cpu_gemm.PackedWeight)
+    x = torch.randn(4, 1024)
+    assert torch.equal(layer(x), onednn(x, layer.weight))
+
+
+def test_switched_off_layers_pack_for_onednn(monkeypatch):
+    monkeypatch.setitem(cpu_gemm._state, "enabled", False)
+    layer = Linear(64, 64)
+    layer.requires_grad_(False)
+    layer.derive_weights()
+    assert layer._packed is not None and not isinstance(layer._packed, cpu_gemm.PackedWeight)
