@@ -101,6 +101,8 @@ def packed_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if isinstance(packed, cpu_gemm.PackedWeight):  # exact rows: no primitives to bound, no row kernel apart
+        if bias is not None:
+            raise ValueError("packed_linear: kernels/cpu_gemm has no bias term; pack such a layer for oneDNN")
         return cpu_gemm.gemm(x2, packed).view(*shape[:-1], packed.out_features)
     rows = x2.shape[0]
     padded = row_bucket(rows)
@@ -134,10 +136,11 @@ def _cpu_linear_fake(x, weight, bias, key):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _weight_state(weight: torch.Tensor) -> tuple[int, int]:
-    """What must not change under a packed copy: the storage and its in-place version."""
+def _pack_state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool]:
+    """What must not change under a packed copy: the storage and its in-place version, and whether
+    there is a bias (a layer packed for kernels/cpu_gemm, which has none, repacks when given one)."""
     version = -1 if weight.is_inference() else weight._version
-    return weight.data_ptr(), version
+    return weight.data_ptr(), version, bias is None
 
 
 class Linear(nn.Linear):
@@ -156,7 +159,7 @@ class Linear(nn.Linear):
         self.use_packed = True
         self.deterministic = False
         self._packed: torch.Tensor | cpu_gemm.PackedWeight | None = None
-        self._packed_for: tuple[int, int] | None = None
+        self._packed_for: tuple[int, int, bool] | None = None
         self._register()
 
     def _register(self) -> None:
@@ -198,7 +201,7 @@ class Linear(nn.Linear):
 
     def pack(self) -> torch.Tensor | cpu_gemm.PackedWeight:
         self._packed = pack_for_cpu(self.weight, self.bias)
-        self._packed_for = _weight_state(self.weight)
+        self._packed_for = _pack_state(self.weight, self.bias)
         return self._packed
 
     def packed_bytes(self) -> int:
@@ -209,7 +212,7 @@ class Linear(nn.Linear):
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if packed is None or self._packed_for != _weight_state(self.weight):
+        if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
             packed = self.pack()
         return packed_linear(x, packed, self.bias)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from kernels import cpu_gemm
 from models import linear as linear_mod
@@ -12,11 +13,11 @@ from models.linear import Linear
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU GEMM kernel needs AVX-512")
 
 
-def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's packed inner product, two rows at least (its one-row kernel sums in another order)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     x2 = x if x.shape[0] >= 2 else x.expand(2, -1)
-    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")[: x.shape[0]]
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")[: x.shape[0]]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thr", "2thr"])
@@ -88,6 +89,21 @@ def test_linear_uses_the_kernel_without_bias_and_onednn_with_it():
     x = torch.randn(3, 5, 256)
     assert torch.equal(plain(x), onednn(x.reshape(15, 256), plain.weight).view(3, 5, 80))
     assert plain.packed_bytes() == 3 * 256 * 32 * 4  # 80 columns padded to 3 groups of 32
+
+
+def test_a_bias_given_after_packing_is_added():
+    """The kernel has no bias term: a layer packed for it, then given a bias, must not drop the bias (it
+    repacks for oneDNN, which takes one)."""
+    layer = Linear(256, 80)
+    layer.requires_grad_(False)
+    layer.derive_weights()
+    assert isinstance(layer._packed, cpu_gemm.PackedWeight)
+    layer.bias = nn.Parameter(torch.randn(80), requires_grad=False)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert torch.equal(layer(x), onednn(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="bias"):
+        linear_mod.packed_linear(x, cpu_gemm.pack(layer.weight), layer.bias)
 
 
 def test_linear_keeps_onednn_where_the_bits_would_differ(monkeypatch):
