@@ -139,13 +139,21 @@ def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def matches_onednn(weight: torch.Tensor, packed: PackedWeight, rows: tuple[int, ...] = (1, 2, 13, 40)) -> bool:
-    """Whether `gemm` gives oneDNN's packed inner product bit for bit on this weight, for random
-    inputs at these row counts (a fixed generator: the global RNG is untouched)."""
+def matches_onednn(n: int, k: int, kb: int | None = None, rows: tuple[int, ...] = (1, 2, 13, 40)) -> bool:
+    """Whether `gemm` with K blocks of kb (default k_block) gives oneDNN's packed inner product bit for bit
+    for a weight [n, k], on random inputs at these row counts.
+
+    The weight is random too, not a layer's: the answer is cached per shape (models/linear.py), and a
+    proof on a degenerate weight (zeros: every sum exact in any order) would hold for any blocking.
+    64 random weight rows repeat down the n outputs, so every output column has a random weight at a
+    fraction of drawing all n x k. A fixed generator: the global RNG is untouched."""
     gen = torch.Generator().manual_seed(0)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    block = torch.randn(min(n, 64), k, generator=gen)
+    weight = block.repeat(-(-n // block.shape[0]), 1)[:n]
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed = pack(weight, kb)
     for m in rows:
-        x = torch.randn(max(m, 2), weight.shape[1], generator=gen) * 2
+        x = torch.randn(max(m, 2), k, generator=gen) * 2
         ref = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")[:m]
         if not torch.equal(gemm(x[:m], packed), ref):
             return False

@@ -84,12 +84,11 @@ def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tenso
     """The weight packed for the faster of the two bit-identical paths: kernels/cpu_gemm (no bias,
     AVX-512, its equality with oneDNN proven at this shape) or oneDNN's blocked layout."""
     if bias is None and cpu_gemm.available():
-        packed = cpu_gemm.pack(weight)
-        shape = packed.out_features, packed.in_features
-        if shape not in _gemm_matches:
-            _gemm_matches[shape] = cpu_gemm.matches_onednn(weight, packed)
+        shape = weight.shape[0], weight.shape[1]
+        if shape not in _gemm_matches:  # on a random weight of the shape, not this one (see the check)
+            _gemm_matches[shape] = cpu_gemm.matches_onednn(*shape)
         if _gemm_matches[shape]:
-            return packed
+            return cpu_gemm.pack(weight)
     return pack_weight(weight)
 
 

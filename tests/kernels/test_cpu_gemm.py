@@ -74,9 +74,26 @@ def test_strided_rows_empty_input_and_bad_shapes():
 
 def test_a_wrong_k_block_is_caught_by_the_check():
     """The check that guards models/linear.py can fail: a blocking that is not oneDNN's is refused."""
-    w = torch.randn(64, 2048)
-    assert cpu_gemm.matches_onednn(w, cpu_gemm.pack(w))
-    assert not cpu_gemm.matches_onednn(w, cpu_gemm.pack(w, kb=512))
+    assert cpu_gemm.matches_onednn(64, 2048)
+    assert not cpu_gemm.matches_onednn(64, 2048, kb=512)
+    assert not cpu_gemm.matches_onednn(33, 1024, kb=256)  # a partial column group too
+
+
+def test_the_shape_check_does_not_rest_on_the_first_layers_weight(monkeypatch):
+    """The check proves the kernel for a weight shape once per process. Proven on the weight the shape
+    first came with, a degenerate one (zeros, before loading: every sum exact in any order) admitted a
+    blocking that is not oneDNN's for every later layer of that shape."""
+    monkeypatch.setattr(cpu_gemm, "k_block", lambda k: 256)  # a blocking that is not oneDNN's
+    monkeypatch.setattr(linear_mod, "_gemm_matches", {})
+    first, later = Linear(1024, 48), Linear(1024, 48)
+    for layer in (first, later):
+        layer.requires_grad_(False)
+    first.weight.zero_()
+    first.derive_weights()
+    later.derive_weights()
+    x = torch.randn(4, 1024)
+    assert not isinstance(later._packed, cpu_gemm.PackedWeight)
+    assert torch.equal(later(x), onednn(x, later.weight))
 
 
 def test_linear_uses_the_kernel_without_bias_and_onednn_with_it():
