@@ -72,10 +72,12 @@ def available() -> bool:
     (LADLE_CPU_GEMM=0, or set_enabled(False))."""
     on = _state.get("enabled")
     if on is None:
-        lib = load_library()
-        on = _state["enabled"] = (
-            os.environ.get("LADLE_CPU_GEMM", "1") != "0" and lib is not None and lib.ladle_gemm_isa() == b"avx512"
-        )
+        if os.environ.get("LADLE_CPU_GEMM", "1") == "0":  # switched off: not built either
+            on = False
+        else:
+            lib = load_library()
+            on = lib is not None and lib.ladle_gemm_isa() == b"avx512"
+        _state["enabled"] = on
     return on  # type: ignore[return-value]
 
 

@@ -142,3 +142,15 @@ def test_switched_off_layers_pack_for_onednn(monkeypatch):
     layer.requires_grad_(False)
     layer.derive_weights()
     assert layer._packed is not None and not isinstance(layer._packed, cpu_gemm.PackedWeight)
+
+
+def test_switched_off_by_the_environment_it_is_not_even_built(monkeypatch):
+    """LADLE_CPU_GEMM=0 is the way out where building or loading the kernel is the trouble."""
+    monkeypatch.setenv("LADLE_CPU_GEMM", "0")
+    monkeypatch.delitem(cpu_gemm._state, "enabled", raising=False)
+
+    def build():
+        raise AssertionError("built although switched off")
+
+    monkeypatch.setattr(cpu_gemm, "load_library", build)
+    assert not cpu_gemm.available()
