@@ -87,6 +87,14 @@ def set_enabled(on: bool) -> None:
     _state["enabled"] = on and available()
 
 
+GROUP_COLUMNS = 32  # GW in the C++: a packed weight's columns come in groups of 32, the last zero-padded
+
+
+def padded_columns(n: int) -> int:
+    """A packed weight of n output columns holds this many (n rounded up to whole column groups)."""
+    return -(-n // GROUP_COLUMNS) * GROUP_COLUMNS
+
+
 def k_block(k: int) -> int:
     """oneDNN's K blocking for an fp32 AVX-512 inner product of K inputs (measured; see the module)."""
     return k if k <= 512 else 512 if k <= 1024 else 1024

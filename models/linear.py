@@ -232,12 +232,15 @@ class Linear(nn.Linear):
 def packed_bytes_estimate(arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> int:
     """What the packed copies will add to a model's host memory, from its shapes alone (for a memory
     plan made before loading): every projection and the LM head (a tied one too: the embedding keeps its
-    dense copy), in float32; 0 where nothing is packed (CUDA, other dtypes, no oneDNN)."""
+    dense copy), in float32; 0 where nothing is packed (CUDA, other dtypes, no oneDNN). Each output
+    dimension counted as kernels/cpu_gemm pads it (to its column groups): never less than they hold."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or not _ONEDNN:
         return 0
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    per_layer = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads) + 3 * h * i
-    return 4 * (arch.num_layers * per_layer + arch.vocab_size * h)
+    q, kv, pad = arch.num_heads * d, arch.num_kv_heads * d, cpu_gemm.padded_columns
+    # q and k|v (padded apart: at least as much as q|k|v padded together), o, gate|up, down
+    per_layer = h * (pad(q) + pad(2 * kv)) + q * pad(h) + h * pad(2 * i) + i * pad(h)
+    return 4 * (arch.num_layers * per_layer + pad(arch.vocab_size) * h)
 
 
 @torch.no_grad()
