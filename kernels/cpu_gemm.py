@@ -72,10 +72,12 @@ def available() -> bool:
     (LADLE_CPU_GEMM=0, or set_enabled(False))."""
     on = _state.get("enabled")
     if on is None:
-        lib = load_library()
-        on = _state["enabled"] = (
-            os.environ.get("LADLE_CPU_GEMM", "1") != "0" and lib is not None and lib.ladle_gemm_isa() == b"avx512"
-        )
+        if os.environ.get("LADLE_CPU_GEMM", "1") == "0":  # switched off: not built either
+            on = False
+        else:
+            lib = load_library()
+            on = lib is not None and lib.ladle_gemm_isa() == b"avx512"
+        _state["enabled"] = on
     return on  # type: ignore[return-value]
 
 
@@ -83,6 +85,14 @@ def set_enabled(on: bool) -> None:
     """Switch the kernel on or off for layers packed from now on (benchmarks compare both in one run)."""
     _state.pop("enabled", None)
     _state["enabled"] = on and available()
+
+
+GROUP_COLUMNS = 32  # GW in the C++: a packed weight's columns come in groups of 32, the last zero-padded
+
+
+def padded_columns(n: int) -> int:
+    """A packed weight of n output columns holds this many (n rounded up to whole column groups)."""
+    return -(-n // GROUP_COLUMNS) * GROUP_COLUMNS
 
 
 def k_block(k: int) -> int:
@@ -139,14 +149,24 @@ def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def matches_onednn(weight: torch.Tensor, packed: PackedWeight, rows: tuple[int, ...] = (1, 2, 13, 40)) -> bool:
-    """Whether `gemm` gives oneDNN's packed inner product bit for bit on this weight, for random
-    inputs at these row counts (a fixed generator: the global RNG is untouched)."""
+def matches_onednn(n: int, k: int, kb: int | None = None, rows: tuple[int, ...] = (1, 2, 13, 40)) -> bool:
+    """Whether `gemm` with K blocks of kb (default k_block) gives oneDNN's packed inner product bit for bit
+    for a weight [n, k], on random inputs at these row counts.
+
+    The weight is random too, not a layer's: the answer is cached per shape (models/linear.py), and a
+    proof on a degenerate weight (zeros: every sum exact in any order) would hold for any blocking.
+    Its n rows repeat 64 random ones: oneDNN runs at the full shape (its blocking may depend on n), this
+    kernel on the 64 alone, since its sums for an output depend on that output's weight row and nothing
+    else (every column group, every lane, runs the same chains). A fixed generator: the global RNG is
+    untouched."""
     gen = torch.Generator().manual_seed(0)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    block = torch.randn(min(n, 64), k, generator=gen)
+    cols = torch.arange(n) % block.shape[0]
+    onednn = torch.ops.mkldnn._reorder_linear_weight(block[cols], None)
+    packed = pack(block, kb)
     for m in rows:
-        x = torch.randn(max(m, 2), weight.shape[1], generator=gen) * 2
+        x = torch.randn(max(m, 2), k, generator=gen) * 2
         ref = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")[:m]
-        if not torch.equal(gemm(x[:m], packed), ref):
+        if not torch.equal(gemm(x[:m], packed)[:, cols], ref):
             return False
     return True

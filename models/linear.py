@@ -84,12 +84,11 @@ def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tenso
     """The weight packed for the faster of the two bit-identical paths: kernels/cpu_gemm (no bias,
     AVX-512, its equality with oneDNN proven at this shape) or oneDNN's blocked layout."""
     if bias is None and cpu_gemm.available():
-        packed = cpu_gemm.pack(weight)
-        shape = packed.out_features, packed.in_features
-        if shape not in _gemm_matches:
-            _gemm_matches[shape] = cpu_gemm.matches_onednn(weight, packed)
+        shape = weight.shape[0], weight.shape[1]
+        if shape not in _gemm_matches:  # on a random weight of the shape, not this one (see the check)
+            _gemm_matches[shape] = cpu_gemm.matches_onednn(*shape)
         if _gemm_matches[shape]:
-            return packed
+            return cpu_gemm.pack(weight)
     return pack_weight(weight)
 
 
@@ -101,6 +100,8 @@ def packed_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if isinstance(packed, cpu_gemm.PackedWeight):  # exact rows: no primitives to bound, no row kernel apart
+        if bias is not None:
+            raise ValueError("packed_linear: kernels/cpu_gemm has no bias term; pack such a layer for oneDNN")
         return cpu_gemm.gemm(x2, packed).view(*shape[:-1], packed.out_features)
     rows = x2.shape[0]
     padded = row_bucket(rows)
@@ -134,10 +135,11 @@ def _cpu_linear_fake(x, weight, bias, key):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _weight_state(weight: torch.Tensor) -> tuple[int, int]:
-    """What must not change under a packed copy: the storage and its in-place version."""
+def _pack_state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool]:
+    """What must not change under a packed copy: the storage and its in-place version, and whether
+    there is a bias (a layer packed for kernels/cpu_gemm, which has none, repacks when given one)."""
     version = -1 if weight.is_inference() else weight._version
-    return weight.data_ptr(), version
+    return weight.data_ptr(), version, bias is None
 
 
 class Linear(nn.Linear):
@@ -156,7 +158,7 @@ class Linear(nn.Linear):
         self.use_packed = True
         self.deterministic = False
         self._packed: torch.Tensor | cpu_gemm.PackedWeight | None = None
-        self._packed_for: tuple[int, int] | None = None
+        self._packed_for: tuple[int, int, bool] | None = None
         self._register()
 
     def _register(self) -> None:
@@ -198,7 +200,7 @@ class Linear(nn.Linear):
 
     def pack(self) -> torch.Tensor | cpu_gemm.PackedWeight:
         self._packed = pack_for_cpu(self.weight, self.bias)
-        self._packed_for = _weight_state(self.weight)
+        self._packed_for = _pack_state(self.weight, self.bias)
         return self._packed
 
     def packed_bytes(self) -> int:
@@ -209,7 +211,7 @@ class Linear(nn.Linear):
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if packed is None or self._packed_for != _weight_state(self.weight):
+        if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
             packed = self.pack()
         return packed_linear(x, packed, self.bias)
 
@@ -230,12 +232,15 @@ class Linear(nn.Linear):
 def packed_bytes_estimate(arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> int:
     """What the packed copies will add to a model's host memory, from its shapes alone (for a memory
     plan made before loading): every projection and the LM head (a tied one too: the embedding keeps its
-    dense copy), in float32; 0 where nothing is packed (CUDA, other dtypes, no oneDNN)."""
+    dense copy), in float32; 0 where nothing is packed (CUDA, other dtypes, no oneDNN). Each output
+    dimension counted as kernels/cpu_gemm pads it (to its column groups): never less than they hold."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or not _ONEDNN:
         return 0
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    per_layer = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads) + 3 * h * i
-    return 4 * (arch.num_layers * per_layer + arch.vocab_size * h)
+    q, kv, pad = arch.num_heads * d, arch.num_kv_heads * d, cpu_gemm.padded_columns
+    # q and k|v (padded apart: at least as much as q|k|v padded together), o, gate|up, down
+    per_layer = h * (pad(q) + pad(2 * kv)) + q * pad(h) + h * pad(2 * i) + i * pad(h)
+    return 4 * (arch.num_layers * per_layer + pad(arch.vocab_size) * h)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from kernels import cpu_gemm
 from models import linear as linear_mod
@@ -12,11 +13,11 @@ from models.linear import Linear
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU GEMM kernel needs AVX-512")
 
 
-def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's packed inner product, two rows at least (its one-row kernel sums in another order)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     x2 = x if x.shape[0] >= 2 else x.expand(2, -1)
-    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")[: x.shape[0]]
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")[: x.shape[0]]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thr", "2thr"])
@@ -73,9 +74,26 @@ def test_strided_rows_empty_input_and_bad_shapes():
 
 def test_a_wrong_k_block_is_caught_by_the_check():
     """The check that guards models/linear.py can fail: a blocking that is not oneDNN's is refused."""
-    w = torch.randn(64, 2048)
-    assert cpu_gemm.matches_onednn(w, cpu_gemm.pack(w))
-    assert not cpu_gemm.matches_onednn(w, cpu_gemm.pack(w, kb=512))
+    assert cpu_gemm.matches_onednn(64, 2048)
+    assert not cpu_gemm.matches_onednn(64, 2048, kb=512)
+    assert not cpu_gemm.matches_onednn(33, 1024, kb=256)  # a partial column group too
+
+
+def test_the_shape_check_does_not_rest_on_the_first_layers_weight(monkeypatch):
+    """The check proves the kernel for a weight shape once per process. Proven on the weight the shape
+    first came with, a degenerate one (zeros, before loading: every sum exact in any order) admitted a
+    blocking that is not oneDNN's for every later layer of that shape."""
+    monkeypatch.setattr(cpu_gemm, "k_block", lambda k: 256)  # a blocking that is not oneDNN's
+    monkeypatch.setattr(linear_mod, "_gemm_matches", {})
+    first, later = Linear(1024, 48), Linear(1024, 48)
+    for layer in (first, later):
+        layer.requires_grad_(False)
+    first.weight.zero_()
+    first.derive_weights()
+    later.derive_weights()
+    x = torch.randn(4, 1024)
+    assert not isinstance(later._packed, cpu_gemm.PackedWeight)
+    assert torch.equal(later(x), onednn(x, later.weight))
 
 
 def test_linear_uses_the_kernel_without_bias_and_onednn_with_it():
@@ -88,6 +106,21 @@ def test_linear_uses_the_kernel_without_bias_and_onednn_with_it():
     x = torch.randn(3, 5, 256)
     assert torch.equal(plain(x), onednn(x.reshape(15, 256), plain.weight).view(3, 5, 80))
     assert plain.packed_bytes() == 3 * 256 * 32 * 4  # 80 columns padded to 3 groups of 32
+
+
+def test_a_bias_given_after_packing_is_added():
+    """The kernel has no bias term: a layer packed for it, then given a bias, must not drop the bias (it
+    repacks for oneDNN, which takes one)."""
+    layer = Linear(256, 80)
+    layer.requires_grad_(False)
+    layer.derive_weights()
+    assert isinstance(layer._packed, cpu_gemm.PackedWeight)
+    layer.bias = nn.Parameter(torch.randn(80), requires_grad=False)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert torch.equal(layer(x), onednn(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="bias"):
+        linear_mod.packed_linear(x, cpu_gemm.pack(layer.weight), layer.bias)
 
 
 def test_linear_keeps_onednn_where_the_bits_would_differ(monkeypatch):
@@ -109,3 +142,15 @@ def test_switched_off_layers_pack_for_onednn(monkeypatch):
     layer.requires_grad_(False)
     layer.derive_weights()
     assert layer._packed is not None and not isinstance(layer._packed, cpu_gemm.PackedWeight)
+
+
+def test_switched_off_by_the_environment_it_is_not_even_built(monkeypatch):
+    """LADLE_CPU_GEMM=0 is the way out where building or loading the kernel is the trouble."""
+    monkeypatch.setenv("LADLE_CPU_GEMM", "0")
+    monkeypatch.delitem(cpu_gemm._state, "enabled", raising=False)
+
+    def build():
+        raise AssertionError("built although switched off")
+
+    monkeypatch.setattr(cpu_gemm, "load_library", build)
+    assert not cpu_gemm.available()

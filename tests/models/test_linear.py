@@ -212,6 +212,19 @@ def test_the_loader_packs_every_projection_and_the_lm_head(family, cls):
     assert load_model(None, arch, torch.bfloat16, "cpu").packed_weight_bytes() == 0
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_estimate_covers_padded_packed_copies():
+    """kernels/cpu_gemm pads a weight's outputs to groups of 32 columns: with dimensions that are not
+    multiples of 32 the memory plan's estimate must still cover what the packed copies hold."""
+    from models import load_model
+    from tests.conftest import TINY_HF_MODELS
+
+    arch = {"architectures": ["Qwen3ForCausalLM"], **TINY_HF_MODELS["qwen3"][1], "vocab_size": 390,
+            "intermediate_size": 120}
+    model = load_model(None, arch, torch.float32, "cpu")
+    assert model.packed_weight_bytes() <= packed_bytes_estimate(model.arch, torch.float32, "cpu")
+
+
 def test_row_counts_are_bucketed_so_onednn_primitives_stay_bounded():
     """oneDNN caches a primitive (with its scratch memory) per (shape, row count): unbucketed, 512
     distinct widths of 4 small shapes grew host memory by 1.8 GB. A call runs at a bucketed width:
