@@ -3,11 +3,13 @@
 Why our own: oneDNN's packed inner product (models/linear.py) runs a few-row GEMM, a decode step's,
 in about the weight's DRAM time *plus* its compute time (the 166M model's linears: ~13 ms + ~1.0 ms
 per row at one thread), where the two could overlap. This kernel streams the packed weight with
-software prefetches far enough ahead to hide DRAM latency behind the multiply-adds: 1.25-1.35x
-faster from 8 to 32 rows, and 1.05x at 512 rows (benchmarks/linear_cpu.py, docs/benchmarks.md 5c).
+software prefetches far enough ahead to hide DRAM latency behind the multiply-adds: 1.2-1.45x
+faster from 8 to 32 rows; from ~128 rows both run at this core's peak (0.96-0.99x at 512 rows;
+benchmarks/gemm_stream.py, docs/benchmarks.md 5c).
 
-Numerics (the contract): every output element is oneDNN's sum, bit for bit. Measured on oneDNN 3.x's
-AVX-512 fp32 kernels (torch 2.13): an output is one fused multiply-add chain per block of K, in
+Numerics (the contract): every output element is oneDNN's sum, bit for bit. Measured on oneDNN 3.12's
+AVX-512 fp32 kernels (torch 2.13; other oneDNN versions may block K otherwise, and the check below
+then keeps oneDNN): an output is one fused multiply-add chain per block of K, in
 increasing k from +0, the blocks' partial sums added left to right, blocks of K itself up to 512,
 of 512 up to 1024, of 1024 beyond (`k_block`), whatever M, N, the row's position or the threads.
 This kernel computes exactly that, so a row's bits depend on nothing but the row and the weight
