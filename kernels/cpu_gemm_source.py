@@ -31,10 +31,10 @@ int64_t groups_of(int n) { return (int64_t(n) + GW - 1) / GW; }
 
 #if defined(__AVX512F__)
 // R rows (xp: [k][MR], the rows' k-th elements together) x one group's 32 columns (p: [k][32]) over
-// the keys [k0, k1); the first block stores, later ones add their partial sums to out.
+// the inputs k in [k0, k1); the first block stores, later ones add their partial sums to out.
 template <int R>
-__attribute__((always_inline)) inline void micro(const float* xp, const float* p, int k0, int k1, float* out, int64_t ldo, bool first,
-                  int cols) {
+__attribute__((always_inline)) inline void micro(const float* xp, const float* p, int k0, int k1, float* out,
+                                                 int64_t ldo, bool first, int cols) {
   __m512 acc[R][2];
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   const float* pk = p + int64_t(k0) * GW;
