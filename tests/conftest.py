@@ -123,3 +123,13 @@ def tiny_hf_model_dir(tmp_path_factory) -> Callable[..., Path]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
+def threads(request):
+    """Run the test at 1 and at 2 torch threads (the value), restoring the count after. Modules whose
+    `threads` means something else (other counts, or only the restore) define their own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

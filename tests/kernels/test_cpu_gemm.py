@@ -20,14 +20,6 @@ def onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")[: x.shape[0]]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thr", "2thr"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 # K on each side of oneDNN's block edges (512, 1024) and not a multiple of 16; N not a multiple of 32.
 @pytest.mark.parametrize("n,k", [(64, 16), (33, 77), (100, 512), (96, 513), (1000, 1024), (48, 1025),
                                  (70, 3072), (31, 4100)])

@@ -31,14 +31,6 @@ SHAPES = [(128, 64), (64, 128), (384, 64), (2048, 1024), (1024, 3072)]
 ROWS = [*range(1, 70), 127, 128, 129, 255, 256, 257, 511, 513, 1100]
 
 
-@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def make_linear(n: int, k: int, bias: bool = False, seed: int = 0) -> Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(k, n, bias=bias).requires_grad_(False)
