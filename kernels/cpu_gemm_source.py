@@ -25,7 +25,10 @@ SOURCE = r"""
 namespace {
 constexpr int GW = 32;  // columns per group: two 16-lane vectors
 constexpr int MR = 12;  // rows per micro-kernel: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
-constexpr int SLAB = 20 * MR;  // rows packed at a time
+// Rows packed at a time, at most: a 512-row chunk is one slab, one pass over the weight (at 240 rows
+// it was 240 + 240 + 32, three passes, the last for 32 rows; one pass: the 166M model's run 1-2%
+// faster end to end, docs/benchmarks.md 5c). Larger M is split into equal slabs.
+constexpr int SLAB = 43 * MR;
 
 int64_t groups_of(int n) { return (int64_t(n) + GW - 1) / GW; }
 
@@ -148,17 +151,18 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
 #if defined(__AVX512F__)
   if (m < 0 || n <= 0 || k <= 0 || kb <= 0) return 1;
   if (m == 0) return 0;
-  // Rows go in slabs of SLAB: the packed rows stay bounded (SLAB x K floats, not a copy of x) and a
-  // slab's slice of a K block stays in L2 while the column groups pass over it.
-  const int slab_chunks = (std::min(m, SLAB) + MR - 1) / MR;
+  // Rows go in equal slabs of at most SLAB: the packed rows stay bounded (SLAB x K floats, 6 MB at
+  // K = 3072), and no small leftover slab pays a whole pass over the weight for a few rows.
+  const int nslabs = (m + SLAB - 1) / SLAB;
+  const int slab_chunks = ((m + nslabs - 1) / nslabs + MR - 1) / MR, slab = slab_chunks * MR;
   static thread_local std::vector<float> xbuf;  // the caller's thread owns it; the team fills it
   if (xbuf.size() < size_t(slab_chunks) * k * MR) xbuf.resize(size_t(slab_chunks) * k * MR);
   float* xb = xbuf.data();
   const int64_t ng = groups_of(n);
   const int team = int(std::min<int64_t>(std::max(threads, 1), ng));
 #pragma omp parallel num_threads(team) if (team > 1)
-  for (int s0 = 0; s0 < m; s0 += SLAB) {
-    const int rows = std::min(SLAB, m - s0), chunks = (rows + MR - 1) / MR;
+  for (int s0 = 0; s0 < m; s0 += slab) {
+    const int rows = std::min(slab, m - s0), chunks = (rows + MR - 1) / MR;
 #pragma omp for schedule(static)
     for (int c = 0; c < chunks; ++c) pack_rows(x + s0 * ldx, ldx, rows, k, c, xb);
 #pragma omp for schedule(static)

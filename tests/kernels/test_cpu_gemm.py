@@ -148,9 +148,11 @@ def test_switched_off_by_the_environment_it_is_not_even_built(monkeypatch):
     assert not cpu_gemm.available()
 
 
-def test_many_rows_span_several_slabs(threads):
-    """Rows beyond one packed slab (240), an odd count, at 1 and 2 threads: still oneDNN's bits."""
+@pytest.mark.parametrize("rows", [516, 517, 1003, 1549])
+def test_many_rows_span_several_slabs(threads, rows):
+    """Rows up to one packed slab (516) and beyond it, split into 2 or 4 equal slabs whose last row chunk
+    is partial, at 1 and 2 threads: still oneDNN's bits."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(100, 1100, generator=gen)
-    x = torch.randn(1003, 1100, generator=gen)
+    x = torch.randn(rows, 1100, generator=gen)
     assert torch.equal(cpu_gemm.gemm(x, cpu_gemm.pack(w)), onednn(x, w))
