@@ -156,3 +156,22 @@ def test_many_rows_span_several_slabs(threads, rows):
     w = torch.randn(100, 1100, generator=gen)
     x = torch.randn(rows, 1100, generator=gen)
     assert torch.equal(cpu_gemm.gemm(x, cpu_gemm.pack(w)), onednn(x, w))
+
+
+@pytest.mark.parametrize("team", [3, 4, 7])
+def test_more_threads_than_cores_share_the_groups_out_exactly_once(team):
+    """More threads than this machine's cores: they run unevenly, so the ones done first take groups from
+    the others' shares (one group's columns, all its rows, by one thread). Every column still comes out
+    once, with oneDNN's bits, over several slabs and a last group of 4 columns."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(32 * 37 + 4, 600, generator=gen)
+    x = torch.randn(1100, 600, generator=gen)
+    packed = cpu_gemm.pack(w)
+    ref = onednn(x, w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(team)
+        for _ in range(3):
+            assert torch.equal(cpu_gemm.gemm(x, packed), ref)
+    finally:
+        torch.set_num_threads(before)
