@@ -4,8 +4,10 @@ Why our own: oneDNN's packed inner product (models/linear.py) runs a few-row GEM
 in about the weight's DRAM time *plus* its compute time (the 166M model's linears: ~13 ms + ~1.0 ms
 per row at one thread), where the two could overlap. This kernel streams the packed weight with
 software prefetches far enough ahead to hide DRAM latency behind the multiply-adds: 1.2-1.45x
-faster from 8 to 32 rows; from ~128 rows both run at this core's peak (0.96-0.99x at 512 rows;
-benchmarks/gemm_stream.py, docs/benchmarks.md 5c).
+faster from 8 to 32 rows; from ~128 rows both run near this core's peak (at 512 rows, the model's four
+decoder shapes 0.98-1.03x of oneDNN at one thread; benchmarks/gemm_stream.py, docs/benchmarks.md 5c).
+Threads split the column groups; one done with its share takes groups from the back of another's, so a
+slower core (a busy vCPU) does not hold the others at the end of the call.
 
 Numerics (the contract): every output element is oneDNN's sum, bit for bit. Measured on oneDNN 3.12's
 AVX-512 fp32 kernels (torch 2.13; other oneDNN versions may block K otherwise, and the check below

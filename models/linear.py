@@ -17,7 +17,7 @@ results for one row (and 7 joins 2-3 at 2 threads).
 
 Faster with oneDNN's bits: a layer without bias on an AVX-512 CPU packs for ladle's own GEMM instead
 (kernels/cpu_gemm.py), which computes oneDNN's very sums (the same K-blocked chains) but overlaps the
-weight's DRAM stream with the arithmetic: 1.2-1.4x at 8-32 rows, a decode step's, 1-4% slower at 512. It
+weight's DRAM stream with the arithmetic: 1.2-1.4x at 8-32 rows, a decode step's, about even at 512. It
 takes exact row counts (no primitives) and one row as it is. The equality with oneDNN is proven once
 per weight shape (`pack_for_cpu`); a shape where it does not hold keeps oneDNN.
 
