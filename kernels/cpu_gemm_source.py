@@ -209,6 +209,7 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
 #pragma omp parallel num_threads(team) if (team > 1)
   {
 #ifdef _OPENMP
+    // nt may be below team (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested call): the groups go to those that run.
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
     const int t = 0, nt = 1;

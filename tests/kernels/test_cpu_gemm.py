@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -175,3 +182,58 @@ def test_more_threads_than_cores_share_the_groups_out_exactly_once(team):
             assert torch.equal(cpu_gemm.gemm(x, packed), ref)
     finally:
         torch.set_num_threads(before)
+
+
+def test_callers_on_several_threads_at_once_each_get_their_bits():
+    """ctypes lets go of the GIL, so Python threads may run GEMMs at the same moment: each caller's packed
+    rows are its own (thread_local in the C++), and each call's column-group shares are its own."""
+    gen = torch.Generator().manual_seed(7)
+    cases = []
+    for n, k, m in ((300, 200, 1100), (70, 1100, 530), (40, 96, 29)):
+        w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+        cases.append((cpu_gemm.pack(w), x, onednn(x, w)))
+    wrong: list[int] = []
+
+    def call(i: int) -> None:
+        packed, x, ref = cases[i % len(cases)]
+        for _ in range(3):
+            if not torch.equal(cpu_gemm.gemm(x, packed), ref):
+                wrong.append(i)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        callers = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+    finally:
+        torch.set_num_threads(before)
+    assert not wrong
+
+
+def test_a_team_smaller_than_asked_still_computes_every_group():
+    """OpenMP may start fewer threads than asked for (OMP_THREAD_LIMIT here; OMP_DYNAMIC, a nested call):
+    the column groups are shared among the threads that run, none left to a thread that never started.
+    A fresh x per call: a group left out would keep a stale or uninitialised output."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels import cpu_gemm
+        gen = torch.Generator().manual_seed(8)
+        w = torch.randn(32 * 11 + 5, 200, generator=gen)
+        packed, onednn = cpu_gemm.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+        for m in (3, 530, 1100):
+            for _ in range(2):
+                x = torch.randn(m, 200, generator=gen)
+                torch.set_num_threads(1)  # oneDNN's own sums change when it gets fewer threads than it asked for
+                ref = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+                torch.set_num_threads(6)
+                assert torch.equal(cpu_gemm.gemm(x, packed), ref), m
+        print("ok")
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_THREAD_LIMIT="2")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-2000:]
