@@ -91,6 +91,8 @@ def set_enabled(on: bool) -> None:
     _state["enabled"] = on and available()
 
 
+_INT_MAX = 2**31 - 1  # sizes go to the C++ as int (ctypes would wrap a larger one without a word)
+
 GROUP_COLUMNS = 32  # GW in the C++: a packed weight's columns come in groups of 32, the last zero-padded
 
 
@@ -128,6 +130,8 @@ def pack(weight: torch.Tensor, kb: int | None = None) -> PackedWeight:
     if w.stride(-1) != 1:
         w = w.contiguous()
     n, k = w.shape
+    if max(n, k) > _INT_MAX:
+        raise ValueError(f"cpu_gemm.pack: a weight of {n} x {k} is past the kernel's int sizes ({_INT_MAX})")
     # On 2 MiB pages where the OS allows: a few-row GEMM streams the whole weight (3-5% faster at 2-8 rows).
     data = zeros_on_huge_pages((lib.ladle_gemm_packed_numel(n, k),), torch.float32)
     if lib.ladle_gemm_pack(w.data_ptr(), w.stride(0), data.data_ptr(), n, k) != 0:
@@ -140,6 +144,9 @@ def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"cpu_gemm.gemm: x {x.dtype} {tuple(x.shape)} does not fit a weight "
                          f"[{packed.out_features}, {packed.in_features}]")
+    if x.shape[0] > _INT_MAX:  # the C entry point counts rows in an int: more would wrap, silently
+        raise ValueError(f"cpu_gemm.gemm: {x.shape[0]} rows is more than one call takes ({_INT_MAX}); "
+                         f"split the rows into several calls")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], packed.out_features

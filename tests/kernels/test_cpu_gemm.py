@@ -237,3 +237,14 @@ def test_a_team_smaller_than_asked_still_computes_every_group():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          check=False)
     assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-2000:]
+
+
+def test_row_counts_past_the_kernels_int_are_refused_before_allocating():
+    """2**31 rows would wrap to a negative or small int in the C call; the row tensor here is one row
+    expanded (no memory), so the refusal must come before the [M, N] output is allocated."""
+    packed = cpu_gemm.pack(torch.randn(8, 16))
+    x = torch.randn(1, 16).expand(2**31, 16)
+    with pytest.raises(ValueError, match="2147483648 rows"):
+        cpu_gemm.gemm(x, packed)
+    with pytest.raises(ValueError, match="2147483648 x 1 is past"):
+        cpu_gemm.pack(torch.randn(1, 1).expand(2**31, 1))
