@@ -12,8 +12,8 @@ SOURCE = r"""
 // the threads. The weight stream is prefetched PF bytes ahead: without it a few-row GEMM costs the
 // weight's DRAM time plus its compute time instead of the larger of the two.
 #include <algorithm>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <vector>
 #ifdef _OPENMP
@@ -127,8 +127,8 @@ void group(const float* xb, const float* p, float* out, int64_t ldo, int M, int 
 
 // A thread's share of the column groups, [front, end) in one word: its owner takes groups from the
 // front (one forward stream through the packed weight); a thread done with its own share takes the
-// back group of the share with the most left. Static shares alone left the 2-thread GEMM waiting on
-// the slower core (6-12% on the larger weights here: one vCPU often runs slower).
+// back group of the share with the most left. With fixed shares the 2-thread GEMM waited on the slower
+// core: 6-12% apart on the larger weights at one moment here, 2% at another (vCPUs run at varying speed).
 struct alignas(64) Share {
   std::atomic<uint64_t> word{0};
   void set(int64_t f, int64_t e) { word.store(uint64_t(f) | uint64_t(e) << 32, std::memory_order_relaxed); }
