@@ -69,7 +69,7 @@ class Ladle:
     def __init__(self, path: Path, args, kv_tokens: int, max_model_len: int):
         cfg = EngineConfig(
             model=ModelConfig(name="qwen3_0_6b-random", path=str(path), tokenizer="byte", dtype=args.dtype,
-                              device="cpu"),
+                              device=args.device),
             cache=CacheConfig(block_size=16, num_blocks=math.ceil(kv_tokens / 16), max_model_len=max_model_len,
                               prefix_caching=False),
             chunking=ChunkingConfig(size=args.token_budget, token_budget=args.token_budget),
@@ -130,7 +130,7 @@ class Transformers:
             warnings.simplefilter("ignore", FutureWarning)  # "paged|" prefix deprecation notice
             self.model = Qwen3ForCausalLM.from_pretrained(
                 str(path), dtype=_DTYPES[args.dtype], attn_implementation=args.hf_attn
-            ).eval()
+            ).eval().to(args.device)
         self.args = args
         self.kv_tokens = kv_tokens
         self.max_model_len = max_model_len
@@ -219,6 +219,7 @@ def main() -> None:
                     help="ladle max_num_seqs = transformers max_requests_per_batch")
     ap.add_argument("--kv-gib", type=float, default=3.0, help="cap on each system's KV cache")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
     ap.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation")
     ap.add_argument("--hf-page-size", type=int, default=256, help="transformers page size (its default)")
     ap.add_argument("--repeats", type=int, default=None, help="rounds of (ladle, transformers); default 2 "

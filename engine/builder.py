@@ -62,6 +62,7 @@ class EngineParts:
     output_processor: OutputProcessor
     updater: Updater
     requests: dict[str, Request] = field(default_factory=dict)
+    graph_capture_s: float | None = None  # CUDA graphs: seconds capturing them (None: not used)
 
 
 def build(config: EngineConfig) -> EngineParts:
@@ -85,7 +86,9 @@ def build(config: EngineConfig) -> EngineParts:
     if mc.compile:
         compile_s = compile_forward(model, mc.attention_backend)
         log.info("compiled forward in %.1f s", compile_s)
-    return assemble(config, planned, model, warmup_s, compile_s)
+    parts = assemble(config, planned, model, warmup_s, compile_s)
+    parts.graph_capture_s = capture_graphs(config, parts)
+    return parts
 
 
 def plan(config: EngineConfig) -> Planned:
@@ -173,6 +176,24 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
         config, arch, planned.kv_spec, planned.device, measured_activation_bytes=peak,
         available_bytes=planned.memory_plan.available_bytes)
     return warmup_s
+
+
+def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
+    """CUDA with model.cuda_graphs and the Triton kernels: capture the decode graphs over the engine's
+    own KV cache (the graphs record its addresses). Returns the seconds it took, or None if not used."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    device, mc = parts.planned.device, config.model
+    if device.type != "cuda" or not mc.cuda_graphs or get_backend(device, mc.attention_backend) != "triton":
+        return None
+    kv, cache = parts.kv, config.cache
+    graphs = DecodeGraphs(parts.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(cache.max_model_len),
+                          cache.max_model_len, config.max_num_seqs, mc.attention_backend)
+    seconds = graphs.capture()
+    parts.model_runner.graphs = graphs
+    log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s", len(graphs.sizes),
+             graphs.sizes[-1], seconds)
+    return seconds
 
 
 def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, warmup_s: float,

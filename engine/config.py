@@ -33,6 +33,8 @@ class ModelConfig:
     seed: int = 0  # random-weight initialisation
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu_paged on CPU) | triton | cpu_paged | torch
     compile: bool = False  # run the forward through torch.compile (compiled once in a warm-up at start)
+    cuda_graphs: bool = True  # CUDA: replay decode-only steps from graphs captured per batch size (vLLM's
+    # default; false = every forward eager, vLLM's enforce_eager). Ignored on CPU.
 
     def validate(self) -> None:
         _check(self.path is not None or self.architecture is not None, "model.path", self.path,
@@ -44,6 +46,7 @@ class ModelConfig:
         _check(self.attention_backend in ("auto", "triton", "cpu_paged", "torch"), "model.attention_backend",
                self.attention_backend, "one of auto, triton, cpu_paged, torch")
         _check(isinstance(self.compile, bool), "model.compile", self.compile, "true or false")
+        _check(isinstance(self.cuda_graphs, bool), "model.cuda_graphs", self.cuda_graphs, "true or false")
 
 
 @dataclass

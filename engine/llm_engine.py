@@ -38,6 +38,7 @@ class LLMEngine:
         self.kv_spec, self.memory_plan = planned.kv_spec, planned.memory_plan
         self.model = parts.model
         self.kernel_warmup_s, self.compile_seconds = parts.kernel_warmup_s, parts.compile_seconds
+        self.graph_capture_s = parts.graph_capture_s  # CUDA graphs' capture seconds (None: not used)
         self.kv, self.scheduler = parts.kv, parts.scheduler
         self.model_runner, self.sampler = parts.model_runner, parts.sampler
         self.input_processor, self.output_processor = parts.input_processor, parts.output_processor

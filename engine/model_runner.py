@@ -95,6 +95,8 @@ class ModelRunner:
         self.ubatch = ubatch
         self.block_table = PersistentBlockTable(kv.spec.blocks_for(kv.spec.max_model_len))
         self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
+        self.graphs = None  # engine/cuda_graphs.DecodeGraphs once captured (CUDA, model.cuda_graphs)
+        self.graph_steps = 0  # forwards replayed from a CUDA graph (tests and benchmarks read it)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
@@ -124,7 +126,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self._batch(pieces)
         prepare_time = time.perf_counter() - t0
-        hidden = self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
+        if self._graph_fits(batch):
+            hidden = self.graphs.run(batch.meta, batch.input_ids)
+            self.graph_steps += 1
+        else:
+            hidden = self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
         vocab = self.model.arch.vocab_size
         for req, row, lo, hi in batch.prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
@@ -135,6 +141,13 @@ class ModelRunner:
             return None, prepare_time
         rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)), prepare_time
+
+    def _graph_fits(self, batch: _Batch) -> bool:
+        """A captured graph can run this forward: one query row per sequence, every row read, and a
+        bucket large enough."""
+        meta = batch.meta
+        return (self.graphs is not None and meta.max_query_len == 1 and meta.outputs is not None
+                and meta.outputs.every_row and self.graphs.bucket(meta.num_seqs) is not None)
 
     def _batch(self, pieces: list[_Piece]) -> _Batch:
         """The flattened batch of a forward and its metadata; the rows read after it (sampling rows,

@@ -10,6 +10,7 @@ transformers model itself (fp32, eager attention) for use as a reference.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,14 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+# The device the engine and model tests run on: LADLE_TEST_DEVICE=cuda runs them on the GPU (the Triton
+# kernels compiled, not interpreted); CPU-only tests (the C++ kernels, op counts) stay on the CPU.
+TEST_DEVICE = os.environ.get("LADLE_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"LADLE_TEST_DEVICE={TEST_DEVICE!r}: use cpu or cuda")
+if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+    raise pytest.UsageError("LADLE_TEST_DEVICE=cuda but torch sees no GPU: unset it to test on the CPU")
 
 # name -> (config class name, kwargs)
 TINY_HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {

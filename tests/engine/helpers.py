@@ -6,6 +6,7 @@ import torch
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from engine.detokenizer import Detokenizer
+from tests.conftest import TEST_DEVICE
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -25,7 +26,7 @@ def make_engine(
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(path), dtype="float32", device="cpu", attention_backend=attention_backend),
+            model=ModelConfig(path=str(path), dtype="float32", device=TEST_DEVICE, attention_backend=attention_backend),
             cache=CacheConfig(
                 backend=backend,
                 block_size=block_size,

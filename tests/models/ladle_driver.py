@@ -51,9 +51,10 @@ class Sequence:
     def feed(self, tokens: list[int]) -> torch.Tensor:
         q = len(tokens)
         seq_len = self.length + q
-        meta = AttentionMetadata.build([q], [seq_len], [self.blocks], self.block_size)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        positions = torch.arange(self.length, seq_len)
+        device = self.kv_caches[0].device
+        meta = AttentionMetadata.build([q], [seq_len], [self.blocks], self.block_size, device=device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        positions = torch.arange(self.length, seq_len, device=device)
         hidden = self.model(ids, positions, self.kv_caches, meta)
         self.length = seq_len
         return self.model.compute_logits(hidden)
@@ -63,7 +64,7 @@ def prompt_logits(model: CausalLM, prompt: list[int], chunk: int | None = None) 
     """Logits [len(prompt), vocab] with the prompt prefilled whole or in chunks of `chunk` tokens."""
     seq = Sequence(model, len(prompt))
     chunk = chunk or len(prompt)
-    return torch.cat([seq.feed(prompt[i : i + chunk]) for i in range(0, len(prompt), chunk)])
+    return torch.cat([seq.feed(prompt[i : i + chunk]) for i in range(0, len(prompt), chunk)]).cpu()
 
 
 def greedy(model: CausalLM, prompt: list[int], max_new_tokens: int, chunk: int | None = None):
@@ -74,4 +75,4 @@ def greedy(model: CausalLM, prompt: list[int], max_new_tokens: int, chunk: int |
     out = [int(logits[-1].argmax())]
     while len(out) < max_new_tokens:
         out.append(int(seq.feed([out[-1]])[-1].argmax()))
-    return logits, out
+    return logits.cpu(), out

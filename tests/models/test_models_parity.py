@@ -8,7 +8,7 @@ import torch
 
 from kernels import AttentionMetadata
 from models import load_model
-from tests.conftest import build_tiny_hf_model
+from tests.conftest import TEST_DEVICE, build_tiny_hf_model
 from tests.models.ladle_driver import Sequence, greedy, make_kv_caches, prompt_logits
 
 FAMILIES = ["llama", "llama_tied", "qwen3", "gemma3", "gemma3_softcap"]
@@ -29,7 +29,7 @@ def pair(request, tiny_hf_model_dir):
     def get(name):
         if name not in cache:
             hf = build_tiny_hf_model(name)
-            ours = load_model(str(tiny_hf_model_dir(name)), None, torch.float32, "cpu")
+            ours = load_model(str(tiny_hf_model_dir(name)), None, torch.float32, TEST_DEVICE)
             cache[name] = (hf, ours)
         return cache[name]
 
@@ -83,13 +83,14 @@ def test_mixed_batch_matches_transformers(pair, name):
         s.feed(p[:-1])
     # The step: sequence 0 prefills its first 32 tokens, 1 and 2 feed one token each (decodes).
     pieces = [prompts[0][:32], prompts[1][-1:], prompts[2][-1:]]
-    ids = torch.tensor([t for piece in pieces for t in piece])
-    positions = torch.cat([torch.arange(s.length, s.length + len(p)) for s, p in zip(seqs, pieces)])
+    ids = torch.tensor([t for piece in pieces for t in piece], device=TEST_DEVICE)
+    positions = torch.cat([torch.arange(s.length, s.length + len(p)) for s, p in zip(seqs, pieces)]).to(TEST_DEVICE)
     meta = AttentionMetadata.build(
-        [len(p) for p in pieces], [s.length + len(p) for s, p in zip(seqs, pieces)], tables, block_size
+        [len(p) for p in pieces], [s.length + len(p) for s, p in zip(seqs, pieces)], tables, block_size,
+        device=TEST_DEVICE,
     )
     with torch.inference_mode():
-        logits = ours.compute_logits(ours(ids, positions, pool, meta))
+        logits = ours.compute_logits(ours(ids, positions, pool, meta)).cpu()
     torch.testing.assert_close(logits[:32], refs[0][:32], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[32], refs[1][-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[33], refs[2][-1], atol=1e-4, rtol=1e-4)

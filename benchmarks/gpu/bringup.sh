@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU bring-up (issue 23), run on a lent GPU machine from the repository root:
+#   bash benchmarks/gpu/bringup.sh tests|runner|decode|throughput|sweep ...   (several phases in order)
+# Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
+# xgrammar, jsonschema and what they need) are installed from .whl/ when it is there; see docs/GPU.md.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+  export PYTHONPATH=$PWD
+fi
+PY=python3
+step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.txt, report its status
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" | tee -a "$OUT/$name.txt"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
+  tail -n 25 "$OUT/$name.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for phase in "$@"; do
+  case $phase in
+    tests)  # the suite with the engine and model tests on the GPU
+      LADLE_TEST_DEVICE=cuda step tests 240 $PY -m pytest -q -n 8 -p no:cacheprovider -rfE tests ;;
+    cudatests)  # the GPU's own tests only
+      step cudatests 180 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_cuda.py tests/kernels/test_triton.py ;;
+    runner)  # the README's job and the real shapes, default config
+      step runner 90 $PY -m runner hydra.run.dir=/tmp/run_tiny
+      step runner 120 $PY -m runner model=qwen3_0_6b model.random_weights=true hydra.run.dir=/tmp/run_06b
+      step runner 180 $PY -m runner model=qwen3_4b model.random_weights=true chunking.size=256 hydra.run.dir=/tmp/run_4b ;;
+    decode06)
+      step decode 150 $PY benchmarks/gpu_decode.py --models qwen3_0_6b --batches 1 32 256 ;;
+    decode)
+      step decode 300 $PY benchmarks/gpu_decode.py --models qwen3_0_6b qwen3_4b --batches 1 32 256 ;;
+    throughput)
+      step throughput 200 $PY benchmarks/throughput_vs_transformers.py --device cuda --dtype bfloat16 \
+        --num-requests 32 --median-prompt 256 --max-prompt 1024 --output-len 128 --repeats 2 ;;
+    sweep)
+      step sweep 240 $PY -m runner --multirun chunking.size=128,512,1024 model=qwen3_0_6b model.random_weights=true \
+        hydra.sweep.dir=/tmp/sweep06 ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,151 @@
+"""CUDA graphs for decode-only forwards: captured once per batch-size bucket, replayed with new inputs.
+
+A decode step of a small model on a GPU is bound by its kernel launches, not its arithmetic: a
+36-layer model launches hundreds of kernels per forward, each costing microseconds of host time. A
+CUDA graph records them once and replays them with one launch (vLLM's CUDA graphs are the model).
+
+What a graph needs, and how this module provides it:
+- Fixed shapes and addresses. Every input of the forward lives in a static buffer sized for its bucket
+  (input ids, positions, slot mapping, sequence lengths, a block table as wide as max_model_len). A
+  batch of n decodes replays the smallest bucket B >= n: its first n rows are the batch, the other
+  B - n are padding rows that write nothing to the cache (slot -1) and attend to one key.
+- A fixed launch plan. The Triton launch plan (kernels/triton_launch.py) is decided from host values
+  at capture: the split-KV segment count is the one a batch of B decodes of the longest possible
+  context gets, and serves every shorter context (an empty segment contributes nothing).
+- The engine's own KV cache: the graph records its addresses, so capture happens after the cache is
+  allocated and writes nothing into it (every slot is -1 while capturing).
+
+The graphs share one memory pool, captured largest first (as vLLM does), so they cost the activations of
+the largest bucket once. Outputs are identical to eager's up to the GEMMs' row-count-dependent
+reductions (a bucket's padded batch may pick another cuBLAS kernel than n rows would).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to 64 and of 32 beyond, and
+    max_num_seqs itself, so a batch pads by at most 7 rows up to 64 and 31 beyond."""
+    sizes = {1, 2, 4, 8} | set(range(16, min(max_num_seqs, 64) + 1, 8)) | set(range(96, max_num_seqs + 1, 32))
+    sizes.add(max_num_seqs)
+    return sorted(s for s in sizes if s <= max_num_seqs)
+
+
+@dataclass(slots=True)
+class _Graph:
+    replay: Callable[[], None]  # runs the recorded forward on the static buffers
+    meta: AttentionMetadata  # holds the static tensors and the launch plans the graph recorded
+    hidden: torch.Tensor  # [B, hidden]: the forward's output, rewritten by every replay
+    graph: object = None  # the torch.cuda.CUDAGraph (kept alive with its pool)
+
+
+class DecodeGraphs:
+    """The captured graphs of one model and KV cache; `run` replays the bucket that fits a decode batch."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 max_blocks_per_seq: int, max_model_len: int, max_num_seqs: int, backend: str = "auto") -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.backend = backend
+        self.sizes = bucket_sizes(max_num_seqs)
+        device = kv_caches[0].device
+        largest = self.sizes[-1]
+        # One set of static inputs at the largest size; each bucket's graph reads a prefix of it.
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(largest, max(max_blocks_per_seq, 1), dtype=torch.int32, device=device)
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+
+    def capture(self) -> float:
+        """Capture every bucket (largest first, one shared pool). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            self.graphs[size] = self._capture(size, pool)
+            graph = self.graphs[size].graph
+            pool = graph.pool() if graph is not None else None
+        if self.input_ids.is_cuda:
+            torch.cuda.synchronize(self.input_ids.device)
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured size that holds num_seqs decodes (None: too many, run eager)."""
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        """Static metadata of a bucket. The host lists describe the longest context a decode can have,
+        so the launch plan (split-KV segments) decided from them holds for every batch replayed."""
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            positions=self.positions[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+            backend=self.backend,
+        )
+        meta.restrict_outputs([0] * size)  # every row is read
+        return meta
+
+    @torch.inference_mode()
+    def _capture(self, size: int, pool) -> _Graph:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels and workspace), then
+        record the forward of `size` decodes into a CUDA graph."""
+        meta = self._meta(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        stream = torch.cuda.Stream(device=ids.device)
+        stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model(ids, pos, self.kv_caches, meta)
+        torch.cuda.current_stream(ids.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        return _Graph(graph.replay, meta, hidden, graph)
+
+    def run(self, meta: AttentionMetadata, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the bucket for this decode-only batch (built by the model runner, on the device):
+        copy its inputs into the static buffers, pad the rest, replay. Returns hidden [n, hidden]."""
+        n = meta.num_seqs
+        size = self.bucket(n)
+        if size is None:
+            raise ValueError(f"no CUDA graph holds {n} decodes (largest: {self.sizes[-1]})")
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(meta.positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if size > n:  # padding rows: store nothing, attend to one key (position 0 of a block id in range)
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.positions[n:size].zero_()
+        entry = self.graphs[size]
+        entry.replay()
+        return entry.hidden[:n]
