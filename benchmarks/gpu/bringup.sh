@@ -28,15 +28,21 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 for phase in "$@"; do
   case $phase in
     tests)  # the suite with the engine and model tests on the GPU
-      LADLE_TEST_DEVICE=cuda step tests 240 $PY -m pytest -q -n 8 -p no:cacheprovider -rfE tests ;;
+      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step tests 240 $PY -m pytest -q -n 14 -p no:cacheprovider -rfE \
+        --durations=10 tests/engine tests/models tests/kernels ;;
     cudatests)  # the GPU's own tests only
       step cudatests 180 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_cuda.py tests/kernels/test_triton.py ;;
+    cudatests2)  # the GPU's own tests and the engine-level Triton test
+      step cudatests 120 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_cuda.py \
+        tests/kernels/test_triton.py -k "cuda or engine_greedy" ;;
     runner)  # the README's job and the real shapes, default config
       step runner 90 $PY -m runner hydra.run.dir=/tmp/run_tiny
       step runner 120 $PY -m runner model=qwen3_0_6b model.random_weights=true hydra.run.dir=/tmp/run_06b
       step runner 180 $PY -m runner model=qwen3_4b model.random_weights=true chunking.size=256 hydra.run.dir=/tmp/run_4b ;;
     decode06)
       step decode 150 $PY benchmarks/gpu_decode.py --models qwen3_0_6b --batches 1 32 256 ;;
+    decode4b)
+      step decode 120 $PY benchmarks/gpu_decode.py --models qwen3_4b --batches 1 32 256 ;;
     decode)
       step decode 300 $PY benchmarks/gpu_decode.py --models qwen3_0_6b qwen3_4b --batches 1 32 256 ;;
     throughput)

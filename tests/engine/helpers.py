@@ -22,11 +22,13 @@ def make_engine(
     max_num_seqs: int = 8,
     clock=None,
     attention_backend: str = "auto",
+    device: str | None = None,
     **chunking,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(path), dtype="float32", device=TEST_DEVICE, attention_backend=attention_backend),
+            model=ModelConfig(path=str(path), dtype="float32", device=device or TEST_DEVICE,
+                              attention_backend=attention_backend),
             cache=CacheConfig(
                 backend=backend,
                 block_size=block_size,

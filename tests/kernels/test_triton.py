@@ -592,7 +592,7 @@ def test_engine_greedy_with_split_kv_equals_reference(tiny_hf_model_dir, cache_b
     outputs = {}
     for attention in ("torch", "triton"):
         engine = make_engine(path, backend=cache_backend, block_size=block_size, attention_backend=attention,
-                             size=32)
+                             size=32, device=DEVICE)
         outputs[attention] = [r.output_token_ids for r in engine.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
     assert all(len(o) == 8 for o in outputs["triton"]) and any(splits)
