@@ -28,7 +28,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 for phase in "$@"; do
   case $phase in
     tests)  # the suite with the engine and model tests on the GPU
-      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step tests 240 $PY -m pytest -q -n 14 -p no:cacheprovider -rfE \
+      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step tests 150 $PY -m pytest -q -n 14 -p no:cacheprovider -rfE \
         --durations=10 tests/engine tests/models tests/kernels ;;
     cudatests)  # the GPU's own tests only
       step cudatests 180 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_cuda.py tests/kernels/test_triton.py ;;
@@ -46,10 +46,10 @@ for phase in "$@"; do
     decode)
       step decode 300 $PY benchmarks/gpu_decode.py --models qwen3_0_6b qwen3_4b --batches 1 32 256 ;;
     throughput)
-      step throughput 200 $PY benchmarks/throughput_vs_transformers.py --device cuda --dtype bfloat16 \
+      step throughput 100 $PY benchmarks/throughput_vs_transformers.py --device cuda --dtype bfloat16 \
         --num-requests 32 --median-prompt 256 --max-prompt 1024 --output-len 128 --repeats 2 ;;
     sweep)
-      step sweep 240 $PY -m runner --multirun chunking.size=128,512,1024 model=qwen3_0_6b model.random_weights=true \
+      step sweep 100 $PY -m runner --multirun chunking.size=128,512,1024 model=qwen3_0_6b model.random_weights=true \
         hydra.sweep.dir=/tmp/sweep06 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
