@@ -25,6 +25,7 @@ an identical prefix is a rounding tie, not a bug).
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import random
@@ -141,15 +142,19 @@ class Transformers:
 
         a = self.args
         gen_cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        cb_cfg = ContinuousBatchingConfig(
-            scheduler_type="fifo",
-            allow_block_sharing=False,
-            max_batch_tokens=a.token_budget,
-            max_requests_per_batch=a.max_num_seqs,
-            page_size=a.hf_page_size,
-            num_blocks=math.ceil(self.kv_tokens / a.hf_page_size),
-            max_blocks_per_request=0,  # the flash fast-decode path does not exist on CPU
-        )
+        # The page-size keyword was renamed across transformers 5.x (block_size -> page_size), and
+        # max_blocks_per_request is newer: pass what this version takes.
+        accepted = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+        options = {
+            "scheduler_type": "fifo",
+            "allow_block_sharing": False,
+            "max_batch_tokens": a.token_budget,
+            "max_requests_per_batch": a.max_num_seqs,
+            "num_blocks": math.ceil(self.kv_tokens / a.hf_page_size),
+            "max_blocks_per_request": 0,  # the flash fast-decode path does not exist on CPU
+        }
+        options["page_size" if "page_size" in accepted else "block_size"] = a.hf_page_size
+        cb_cfg = ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in accepted})
         # persistent_manager: the manager (and its KV cache, allocated and zero-filled when it is made) is
         # built by the warm-up call and reused, as ladle's engine is; allocation is not timed for either.
         out = self.model.generate_batch(

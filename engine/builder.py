@@ -10,6 +10,7 @@ size, and with model.compile the forward is compiled in a warm-up, so no timed s
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -167,6 +168,10 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
     step = config.chunking.step_budget(config.max_num_seqs, max_len)
     peak = profile_peak_bytes(model, step, max_len, mc.attention_backend)
     warmup_s = 0.0
+    if uses_graphs(config, planned.device):
+        # The decode graphs keep a private pool beside the eager steps' memory: the activations of a
+        # forward of the largest bucket (max_num_seqs tokens), which scale with the tokens measured.
+        peak += math.ceil(peak * min(1.0, config.max_num_seqs / step))
     if get_backend(planned.device, mc.attention_backend) == "triton":
         warmup_s = warm_up_kernels(model, max_len, config.max_num_seqs, step, mc.attention_backend,
                                    block_size=planned.kv_spec.block_tokens)
@@ -178,14 +183,20 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
     return warmup_s
 
 
+def uses_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Decode steps replay CUDA graphs: on CUDA, with model.cuda_graphs, through the Triton kernels."""
+    mc = config.model
+    return device.type == "cuda" and mc.cuda_graphs and get_backend(device, mc.attention_backend) == "triton"
+
+
 def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
     """CUDA with model.cuda_graphs and the Triton kernels: capture the decode graphs over the engine's
     own KV cache (the graphs record its addresses). Returns the seconds it took, or None if not used."""
     from engine.cuda_graphs import DecodeGraphs
 
-    device, mc = parts.planned.device, config.model
-    if device.type != "cuda" or not mc.cuda_graphs or get_backend(device, mc.attention_backend) != "triton":
+    if not uses_graphs(config, parts.planned.device):
         return None
+    mc = config.model
     kv, cache = parts.kv, config.cache
     graphs = DecodeGraphs(parts.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(cache.max_model_len),
                           cache.max_model_len, config.max_num_seqs, mc.attention_backend)

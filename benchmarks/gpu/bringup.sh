@@ -28,8 +28,11 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 for phase in "$@"; do
   case $phase in
     tests)  # the suite with the engine and model tests on the GPU
-      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step tests 150 $PY -m pytest -q -n 14 -p no:cacheprovider -rfE \
-        --durations=10 tests/engine tests/models tests/kernels ;;
+      # -v streams each test's name and outcome, so a run cut off by its limit still names its failures.
+      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step tests 300 $PY -m pytest -v -n 14 -p no:cacheprovider -rfE \
+        tests/engine tests/models tests/kernels
+      grep -E "(FAILED|ERROR) tests/" "$OUT/tests.txt" | sort | uniq | head -80
+      grep -cE "PASSED tests/" "$OUT/tests.txt" ;;
     cudatests)  # the GPU's own tests only
       step cudatests 180 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_cuda.py tests/kernels/test_triton.py ;;
     cudatests2)  # the GPU's own tests and the engine-level Triton test
