@@ -109,6 +109,7 @@ class Local(Executor):
             "max_model_len": getattr(eng, "max_model_len", None), "kv_blocks_total": _call(eng, "num_total_blocks"),
             "memory_plan_gib": _memory_plan(eng), "cpu_threads": threads,
             "compile_s": getattr(eng, "compile_seconds", None),  # model.compile: the warm-up's, once
+            "cuda_graph_capture_s": getattr(eng, "graph_capture_s", None),  # CUDA graphs: null when not used
             "arrival_calibration": _calibration(loop, source), "resumed": loop.requests.resumed,
         }
 
