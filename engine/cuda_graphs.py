@@ -16,8 +16,11 @@ What a graph needs, and how this module provides it:
   allocated and writes nothing into it (every slot is -1 while capturing).
 
 The graphs share one memory pool, captured largest first (as vLLM does), so they cost the activations of
-the largest bucket once. Outputs are identical to eager's up to the GEMMs' row-count-dependent
-reductions (a bucket's padded batch may pick another cuBLAS kernel than n rows would).
+the largest bucket once. Outputs equal eager's mathematically, not bitwise: the GEMMs' reductions depend
+on the row count (a bucket's padded batch may pick another cuBLAS kernel than n rows would), and the
+attention sums a context in the capture plan's segments where eager picks its own count from n and the
+longest real context (often no split at all), so logprobs differ in their last bits (fp32 on the CPU
+under the interpreter: tests/engine/test_cuda_graphs.py) and a bf16 near-tie can pick another token.
 """
 
 from __future__ import annotations
@@ -112,21 +115,33 @@ class DecodeGraphs:
         meta.restrict_outputs([0] * size)  # every row is read
         return meta
 
+    def _forward(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward a graph records: `meta`'s bucket of the static buffers, through the eager forward.
+        The compiled one writes the last layer's keys with kernels.reference.write_kv_cache, which does
+        not skip the padding slot -1 (index_copy_ raises on a contiguous cache; the CPU's head-major one
+        wraps it into the last block's last slot). A replay has no host overhead to compile away anyway."""
+        size = meta.num_seqs
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        eager = getattr(self.model, "_forward", None) if getattr(self.model, "compiled", False) else None
+        if eager is not None:
+            return eager(ids, pos, self.kv_caches, meta)
+        return self.model(ids, pos, self.kv_caches, meta)
+
     @torch.inference_mode()
     def _capture(self, size: int, pool) -> _Graph:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels and workspace), then
         record the forward of `size` decodes into a CUDA graph."""
         meta = self._meta(size)
-        ids, pos = self.input_ids[:size], self.positions[:size]
-        stream = torch.cuda.Stream(device=ids.device)
-        stream.wait_stream(torch.cuda.current_stream(ids.device))
+        device = self.input_ids.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model(ids, pos, self.kv_caches, meta)
-        torch.cuda.current_stream(ids.device).wait_stream(stream)
+                self._forward(meta)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+            hidden = self._forward(meta)
         return _Graph(graph.replay, meta, hidden, graph)
 
     def run(self, meta: AttentionMetadata, input_ids: torch.Tensor) -> torch.Tensor:
