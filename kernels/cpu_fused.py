@@ -89,6 +89,12 @@ def _sleef(names: tuple[str, str]) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
+def sleef16() -> tuple[int | None, int | None]:
+    """Addresses of torch's 16-lane SLEEF exp and tanh (u10), the functions this library's 16-lane
+    math calls (kernels/cpu_gemm's gated form calls them too, for the same bits); None each if absent."""
+    return _sleef(("Sleef_expf16_u10", "Sleef_tanhf16_u10"))
+
+
 def install_math(lib: ctypes.CDLL, use_sleef: bool = True) -> int:
     """Point the library's exp/tanh at torch's SLEEF functions of torch's vector width (or the
     narrower one it can call); returns the lanes in use, 0 for libm."""
@@ -96,7 +102,7 @@ def install_math(lib: ctypes.CDLL, use_sleef: bool = True) -> int:
     if use_sleef:
         widths = lib.ladle_fused_vector_widths()
         if torch.backends.cpu.get_cpu_capability() == "AVX512" and widths & 2:
-            exp16, tanh16 = _sleef(("Sleef_expf16_u10", "Sleef_tanhf16_u10"))
+            exp16, tanh16 = sleef16()
         elif widths & 1:
             exp8, tanh8 = _sleef(("Sleef_expf8_u10", "Sleef_tanhf8_u10"))
     return lib.ladle_fused_set_math(exp16, tanh16, exp8, tanh8)

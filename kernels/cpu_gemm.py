@@ -51,6 +51,9 @@ def _open(path) -> ctypes.CDLL:
     lib.ladle_gemm_pack.argtypes, lib.ladle_gemm_pack.restype = [_P, _I64, _P, _I32, _I32], _I32
     lib.ladle_gemm.argtypes = [_P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32]
     lib.ladle_gemm.restype = _I32
+    lib.ladle_gemm_gated.argtypes = [_P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32]
+    lib.ladle_gemm_gated.restype = _I32
+    lib.ladle_gemm_set_math.argtypes, lib.ladle_gemm_set_math.restype = [_P, _P], _I32
     return lib
 
 
@@ -83,6 +86,31 @@ def available() -> bool:
             on = lib is not None and lib.ladle_gemm_isa() == b"avx512"
         _state["enabled"] = on
     return on  # type: ignore[return-value]
+
+
+def gated_available() -> bool:
+    """Whether `gemm` takes `act` (the gated activation fused into its row packing): the kernel is
+    available, and the fused elementwise kernels run torch's 16-lane SLEEF exp / tanh, which this library
+    then calls too, so its packed act(gate) * up is bitwise kernels/cpu_fused.gated_activation's.
+    LADLE_GEMM_GATED=0 switches it off (the two-pass path, same bits)."""
+    on = _state.get("gated")
+    if on is None:
+        on = False
+        if available() and os.environ.get("LADLE_GEMM_GATED", "1") != "0":
+            from kernels import cpu_fused
+
+            fused = cpu_fused.load_library()
+            if fused is not None and getattr(fused, "math_lanes", 0) == 16:
+                exp16, tanh16 = cpu_fused.sleef16()
+                on = bool(load_library().ladle_gemm_set_math(exp16, tanh16))
+        _state["gated"] = on
+    return on  # type: ignore[return-value]
+
+
+def set_gated_enabled(on: bool) -> None:
+    """Switch the fused gated form on or off for this process (benchmarks and tests compare both)."""
+    _state.pop("gated", None)
+    _state["gated"] = on and gated_available()
 
 
 def set_enabled(on: bool) -> None:
@@ -139,9 +167,17 @@ def pack(weight: torch.Tensor, kb: int | None = None) -> PackedWeight:
     return PackedWeight(data, n, k, k_block(k) if kb is None else kb)
 
 
-def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """x [M, K] (CPU float32) @ weight.T -> a fresh [M, N]."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != packed.in_features:
+GATED_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # kernels/cpu_fused.ACTIVATIONS' codes
+
+
+def gemm(x: torch.Tensor, packed: PackedWeight, act: str | None = None) -> torch.Tensor:
+    """x [M, K] (CPU float32) @ weight.T -> a fresh [M, N].
+
+    act (a key of GATED_ACTIVATIONS; needs `gated_available()`): x is [M, 2K], gate then up, and the
+    product is act(gate) * up @ weight.T, the activation computed while the rows are packed, bitwise
+    kernels/cpu_fused.gated_activation's (no [M, K] intermediate in memory)."""
+    width = packed.in_features * (1 if act is None else 2)
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"cpu_gemm.gemm: x {x.dtype} {tuple(x.shape)} does not fit a weight "
                          f"[{packed.out_features}, {packed.in_features}]")
     if x.shape[0] > _INT_MAX:  # the C entry point counts rows in an int: more would wrap, silently
@@ -151,9 +187,16 @@ def gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         x = x.contiguous()
     m, n = x.shape[0], packed.out_features
     out = torch.empty(m, n, dtype=torch.float32)
-    code = load_library().ladle_gemm(x.data_ptr(), x.stride(0) if m > 1 else packed.in_features,
-                                     packed.data.data_ptr(), out.data_ptr(), n, m, n, packed.in_features,
-                                     packed.kb, torch.get_num_threads())
+    ldx = x.stride(0) if m > 1 else width
+    if act is None:
+        code = load_library().ladle_gemm(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m, n,
+                                         packed.in_features, packed.kb, torch.get_num_threads())
+    else:
+        if not gated_available():
+            raise RuntimeError("cpu_gemm.gemm: the gated form is not available here (see gated_available)")
+        code = load_library().ladle_gemm_gated(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m,
+                                               n, packed.in_features, packed.kb, torch.get_num_threads(),
+                                               GATED_ACTIVATIONS[act])
     if code != 0:
         raise RuntimeError(f"ladle_gemm rejected its arguments (code {code})")
     return out

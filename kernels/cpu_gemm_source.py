@@ -81,19 +81,17 @@ __attribute__((always_inline)) inline void micro_rows(int r, const float* xp, co
   }
 }
 
-// Rows [MR c, MR c + MR) of x into xb's chunk c as [K][MR] (the micro-kernel's broadcasts then read
+// rows x [rows][kn] (rows ldx apart) into dst as [kn][MR] (the micro-kernel's broadcasts then read
 // consecutive floats: rows K floats apart fall in the same L1 sets).
 // Four rows at a time go through 4 x 4 transposes (a quarter of the stores of an element-wise copy:
 // 5% of a 512-row GEMM's time that way).
-void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
-  const int m0 = c * MR, rows = std::min(MR, M - m0);
-  float* dst = xb + int64_t(c) * K * MR;
+void pack_block(const float* x, int64_t ldx, int rows, int kn, float* dst) {
   int m = 0;
   for (; m + 4 <= rows; m += 4) {
-    const float* r0 = x + int64_t(m0 + m) * ldx;
+    const float* r0 = x + int64_t(m) * ldx;
     const float *r1 = r0 + ldx, *r2 = r1 + ldx, *r3 = r2 + ldx;
     int k = 0;
-    for (; k + 4 <= K; k += 4) {
+    for (; k + 4 <= kn; k += 4) {
       __m128 a = _mm_loadu_ps(r0 + k), b = _mm_loadu_ps(r1 + k), c2 = _mm_loadu_ps(r2 + k), d = _mm_loadu_ps(r3 + k);
       _MM_TRANSPOSE4_PS(a, b, c2, d);
       float* o = dst + int64_t(k) * MR + m;
@@ -102,12 +100,65 @@ void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
       _mm_storeu_ps(o + 2 * MR, c2);
       _mm_storeu_ps(o + 3 * MR, d);
     }
-    for (; k < K; ++k)
-      for (int i = 0; i < 4; ++i) dst[int64_t(k) * MR + m + i] = x[int64_t(m0 + m + i) * ldx + k];
+    for (; k < kn; ++k)
+      for (int i = 0; i < 4; ++i) dst[int64_t(k) * MR + m + i] = x[int64_t(m + i) * ldx + k];
   }
   for (; m < rows; ++m) {
-    const float* src = x + int64_t(m0 + m) * ldx;
-    for (int k = 0; k < K; ++k) dst[int64_t(k) * MR + m] = src[k];
+    const float* src = x + int64_t(m) * ldx;
+    for (int k = 0; k < kn; ++k) dst[int64_t(k) * MR + m] = src[k];
+  }
+}
+
+// Rows [MR c, MR c + MR) of x into xb's chunk c as [K][MR].
+void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
+  const int m0 = c * MR;
+  pack_block(x + int64_t(m0) * ldx, ldx, std::min(MR, M - m0), K, xb + int64_t(c) * K * MR);
+}
+
+// The gated activation fused into the packing (the down projection of a gated MLP): row r of the
+// GEMM's input is act(g) * u with g = x[r][0, K) and u = x[r][K, 2K), computed a piece of KP columns
+// at a time into an L1 buffer, then packed from there. Every element goes through the very operations
+// of kernels/cpu_fused's gated_row (torch's SLEEF exp / tanh, 16 lanes, lane by lane), so the packed
+// values, and the GEMM's outputs, are bitwise those of the activation kernel followed by this GEMM;
+// the activation's [M, K] output is never written to memory and read back.
+using Fn16 = __m512 (*)(__m512);
+Fn16 g_exp16 = nullptr, g_tanh16 = nullptr;
+constexpr int KP = 256;
+constexpr float kBeta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
+constexpr float kKappa = 0.044715f;
+
+void gated_piece(const float* g, const float* u, float* o, int n, int act) {
+  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+  const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
+  const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
+  const Fn16 f = act == 0 ? g_exp16 : g_tanh16;
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+    __m512 y;
+    if (act == 0) {
+      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+      y = _mm512_div_ps(x, _mm512_add_ps(one, f(neg)));
+    } else {
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 t = f(_mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x)));
+      y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+    }
+    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+
+void pack_rows_gated(const float* x, int64_t ldx, int M, int K, int c, float* xb, int act) {
+  alignas(64) float buf[MR * KP];
+  const int m0 = c * MR, rows = std::min(MR, M - m0);
+  float* dst = xb + int64_t(c) * K * MR;
+  for (int k0 = 0; k0 < K; k0 += KP) {
+    const int kn = std::min(KP, K - k0);
+    for (int m = 0; m < rows; ++m) {
+      const float* g = x + int64_t(m0 + m) * ldx + k0;
+      gated_piece(g, g + K, buf + m * KP, kn, act);
+    }
+    pack_block(buf, KP, rows, kn, dst + int64_t(k0) * MR);
   }
 }
 
@@ -191,10 +242,12 @@ int ladle_gemm_pack(const float* w, int64_t ldw, float* p, int n, int k) {
 }
 
 // out [M][N] (rows ldo apart) = x [M][K] (rows ldx apart) @ W^T, K blocks of kb; 0 on success.
-int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
-               int threads) {
+// act >= 0: the gated form (ladle_gemm_gated), x [M][2K] is gate|up and the GEMM's input act(gate) * up.
+static int run(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
+               int threads, int act) {
 #if defined(__AVX512F__)
   if (m < 0 || n <= 0 || k <= 0 || kb <= 0) return 1;
+  if (act >= 0 && (act > 1 || (act == 0 ? g_exp16 : g_tanh16) == nullptr)) return 3;
   if (m == 0) return 0;
   // Rows go in equal slabs of at most SLAB: the packed rows stay bounded (SLAB x K floats, 6 MB at
   // K = 3072), and no small leftover slab pays a whole pass over the weight for a few rows.
@@ -217,8 +270,13 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
     for (int s0 = 0; s0 < m; s0 += slab) {
       const int rows = std::min(slab, m - s0), chunks = (rows + MR - 1) / MR;
       shares[t].set(ng * t / nt, ng * (t + 1) / nt);  // published by the packing's barrier
+      if (act < 0) {
 #pragma omp for schedule(static)
-      for (int c = 0; c < chunks; ++c) pack_rows(x + s0 * ldx, ldx, rows, k, c, xb);
+        for (int c = 0; c < chunks; ++c) pack_rows(x + s0 * ldx, ldx, rows, k, c, xb);
+      } else {
+#pragma omp for schedule(static)
+        for (int c = 0; c < chunks; ++c) pack_rows_gated(x + s0 * ldx, ldx, rows, k, c, xb, act);
+      }
       groups_shared(shares.get(), t, nt, xb, p, out + s0 * ldo, ldo, rows, n, k, kb);
       if (s0 + slab < m) {  // the next slab's packing overwrites xb (the region's end waits after the last)
 #pragma omp barrier
@@ -228,7 +286,33 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
   return 0;
 #else
   (void)x; (void)ldx; (void)p; (void)out; (void)ldo; (void)m; (void)n; (void)k; (void)kb; (void)threads;
+  (void)act;
   return 2;  // no AVX-512: the caller keeps oneDNN
+#endif
+}
+
+int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
+               int threads) {
+  return run(x, ldx, p, out, ldo, m, n, k, kb, threads, -1);
+}
+
+// out [M][N] = (act(x[:, :K]) * x[:, K:2K]) @ W^T for x [M][2K] (gate | up, rows ldx apart); act 0 SiLU,
+// 1 GELU-tanh, computed as kernels/cpu_fused's gated activation computes them (needs ladle_gemm_set_math).
+int ladle_gemm_gated(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k,
+                     int kb, int threads, int act) {
+  if (act < 0) return 1;
+  return run(x, ldx, p, out, ldo, m, n, k, kb, threads, act);
+}
+
+// torch's 16-lane SLEEF exp and tanh (the fused kernels' own), for the gated form; 1 when installed.
+int ladle_gemm_set_math(void* exp16, void* tanh16) {
+#if defined(__AVX512F__)
+  g_exp16 = reinterpret_cast<Fn16>(exp16);
+  g_tanh16 = reinterpret_cast<Fn16>(tanh16);
+  return g_exp16 != nullptr && g_tanh16 != nullptr;
+#else
+  (void)exp16; (void)tanh16;
+  return 0;
 #endif
 }
 

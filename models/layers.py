@@ -203,8 +203,9 @@ class PackedLinear(Linear):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. On CPU float32 eager, act(gate) * up
-    is one fused kernel pass (kernels/cpu_fused.py; row-wise, so in both modes). `deterministic`: the
+    """down(act(gate(x)) * up(x)), gate and up as one packed matmul. On CPU float32, act(gate) * up is one
+    fused kernel pass (kernels/cpu_fused.py; row-wise, so in both modes), computed inside the down
+    projection's GEMM where it runs kernels/cpu_gemm (Linear.gated). `deterministic`: the
     torch path's activation takes its batch-invariant form (INVARIANT_ACTIVATIONS; set by
     CausalLM.set_deterministic)."""
 
@@ -222,8 +223,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act_name in cpu_fused.ACTIVATIONS and fused_cpu(gate_up):
-            # Row-wise by construction, so deterministic mode takes it too.
-            return self.down_proj(cpu_fused.gated_activation(gate_up, self.act_name))
+            # Row-wise by construction, so deterministic mode takes it too. On the packed path the
+            # activation runs inside the down projection's row packing (models/linear.Linear.gated).
+            return self.down_proj.gated(gate_up, self.act_name)
         gate, up = gate_up.chunk(2, dim=-1)
         act = self.invariant_act if self.deterministic else self.act
         return self.down_proj(act(gate) * up)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from kernels import cpu_fused, cpu_gemm
 from models.config import ModelArch
 
 # oneDNN builds one primitive per (weight shape, row count) and keeps 1024 of them; an engine's steps
@@ -135,6 +135,20 @@ def _cpu_linear_fake(x, weight, bias, key):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("ladle::cpu_linear_gated", mutates_args=())
+def cpu_linear_gated_op(gate_up: torch.Tensor, weight: torch.Tensor, act: str, key: torch.Tensor) -> torch.Tensor:
+    """Linear `key`'s `packed_gated_forward` as one opaque op for torch.compile (see cpu_linear_op)."""
+    module = _modules.get(int(key))
+    if module is None:
+        raise RuntimeError(f"ladle::cpu_linear_gated: no live Linear with key {key}")
+    return module.packed_gated_forward(gate_up, act).contiguous()
+
+
+@cpu_linear_gated_op.register_fake
+def _cpu_linear_gated_fake(gate_up, weight, act, key):
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
+
+
 def _pack_state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool]:
     """What must not change under a packed copy: the storage and its in-place version, and whether
     there is a bias (a layer packed for kernels/cpu_gemm, which has none, repacks when given one)."""
@@ -214,6 +228,31 @@ class Linear(nn.Linear):
         if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
             packed = self.pack()
         return packed_linear(x, packed, self.bias)
+
+    def packed_gated_forward(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """This layer of act(gate) * up, gate_up [..., 2 * in] (gate then up; act a key of
+        kernels/cpu_fused.ACTIVATIONS): through kernels/cpu_gemm's gated form where this layer packed for
+        it (the activation computed while the GEMM packs its rows, never written out), else the fused
+        activation kernel, then the packed GEMM. The same bits either way (kernels/cpu_gemm.gemm)."""
+        packed = self._packed
+        if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
+            packed = self.pack()
+        if isinstance(packed, cpu_gemm.PackedWeight) and act in cpu_gemm.GATED_ACTIVATIONS \
+                and cpu_gemm.gated_available():
+            shape = gate_up.shape
+            out = cpu_gemm.gemm(gate_up.reshape(-1, shape[-1]), packed, act=act)
+            return out.view(*shape[:-1], packed.out_features)
+        return packed_linear(cpu_fused.gated_activation(gate_up, act), packed, self.bias)
+
+    def gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """self(act(gate) * up) for gate_up [..., 2 * in_features] on the CPU float32 inference path, where
+        kernels/cpu_fused runs the activation (models/layers.MLP): one pass instead of two on the packed
+        path, eager and compiled alike; elsewhere the activation kernel, then this layer as usual."""
+        if gate_up.dtype == torch.float32 and not gate_up.requires_grad and self.packable():
+            if torch.compiler.is_compiling():
+                return cpu_linear_gated_op(gate_up, self.weight, act, self._key_tensor)
+            return self.packed_gated_forward(gate_up, act)
+        return self(cpu_fused.gated_activation(gate_up, act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.requires_grad or not self.packable():

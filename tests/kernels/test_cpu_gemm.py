@@ -248,3 +248,69 @@ def test_row_counts_past_the_kernels_int_are_refused_before_allocating():
         cpu_gemm.gemm(x, packed)
     with pytest.raises(ValueError, match="2147483648 x 1 is past"):
         cpu_gemm.pack(torch.randn(1, 1).expand(2**31, 1))
+
+
+# -- the gated form: act(gate) * up packed as the GEMM's rows --------------------------------------------
+gated = pytest.mark.skipif(not cpu_gemm.gated_available(), reason="needs torch's 16-lane SLEEF exp / tanh")
+
+
+@gated
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("n,k", [(64, 16), (33, 77), (96, 513), (70, 3072), (31, 1100)])
+def test_gated_form_is_the_activation_kernel_then_the_gemm_bit_for_bit(threads, act, n, k):
+    """K not a multiple of the 256-column pieces nor of 16 (a masked tail), rows 1 to past a 12-row chunk."""
+    from kernels import cpu_fused
+
+    gen = torch.Generator().manual_seed(n + k)
+    packed = cpu_gemm.pack(torch.randn(n, k, generator=gen) * 0.1)
+    for m in (1, 2, 5, 12, 13, 40, 131):
+        gate_up = torch.randn(m, 2 * k, generator=gen) * 4
+        want = cpu_gemm.gemm(cpu_fused.gated_activation(gate_up, act), packed)
+        assert torch.equal(cpu_gemm.gemm(gate_up, packed, act=act), want), (m, n, k, act)
+
+
+@gated
+def test_gated_form_takes_strided_rows_and_refuses_a_wrong_width():
+    from kernels import cpu_fused
+
+    gen = torch.Generator().manual_seed(3)
+    packed = cpu_gemm.pack(torch.randn(40, 96, generator=gen))
+    wide = torch.randn(9, 250, generator=gen)
+    gate_up = wide[:, 10:202]  # rows 250 apart
+    want = cpu_gemm.gemm(cpu_fused.gated_activation(gate_up.contiguous(), "silu"), packed)
+    assert torch.equal(cpu_gemm.gemm(gate_up, packed, act="silu"), want)
+    with pytest.raises(ValueError):
+        cpu_gemm.gemm(torch.randn(3, 96), packed, act="silu")  # K wide, not 2K
+
+
+@gated
+def test_mlp_down_projection_runs_the_gated_form_with_the_two_pass_bits(monkeypatch):
+    """models/layers.MLP on the packed path calls the gated form once (no separate activation), eager and
+    compiled, with the bits of the activation kernel followed by the down projection."""
+    from kernels import cpu_fused
+    from models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 160, "silu").requires_grad_(False)  # inference weights: the packed path
+    for p in mlp.parameters():
+        nn.init.normal_(p, std=0.2)
+    mlp.gate_up_proj.derive_weights()  # packed (and the shapes proven) before the calls are counted
+    mlp.down_proj.derive_weights()
+    calls = []
+    real = cpu_gemm.gemm
+    monkeypatch.setattr(cpu_gemm, "gemm", lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
+    with torch.inference_mode():
+        x = torch.randn(7, 64)
+        out = mlp(x)
+        assert calls == [None, "silu"]
+        want = mlp.down_proj(cpu_fused.gated_activation(mlp.gate_up_proj(x), "silu"))
+        assert torch.equal(out, want)
+        compiled = torch.compile(mlp, fullgraph=True)
+        assert torch.equal(compiled(x), want)
+    cpu_gemm.set_gated_enabled(False)
+    try:
+        calls.clear()
+        with torch.inference_mode():
+            assert torch.equal(mlp(x), want) and calls == [None, None]
+    finally:
+        cpu_gemm.set_gated_enabled(True)

@@ -1,0 +1,116 @@
+"""ladle alone on vs_vllm.py's workload, two or more variants alternated: is a change faster end to end?
+
+Each variant is a label and environment assignments (`--variant gated=LADLE_GEMM_GATED=1`), or a label and
+another checkout (`--variant before=@/tmp/before`: that tree's engine code, under this script's worker).
+One process per measurement, exactly as vs_vllm.py runs ladle (its CLI's start-up environment: tcmalloc,
+OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT), the variants' order rotating every repeat. Reports each variant's
+wall seconds of the timed generate and its CPU seconds (every thread of the process; on a shared machine
+the CPU clock is the steadier of the two at 1 thread), medians and the median of per-repeat ratios against
+the first variant, and whether every variant produced the first one's tokens.
+
+    .venv/bin/python benchmarks/ladle_ab.py --threads 1,2 --repeats 4 \\
+        --variant off=LADLE_GEMM_GATED=0 --variant on=LADLE_GEMM_GATED=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import vs_vllm
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str], str | None]:
+    label, _, rest = text.partition("=")
+    if rest.startswith("@"):
+        return label, {}, rest[1:]
+    env = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        env[key] = value
+    return label, env, None
+
+
+def run_one(env_extra: dict[str, str], source: str | None, threads: int, mode: str, args, model_dir: Path,
+            prompts_file: Path, work: Path) -> dict:
+    from runner import startup
+
+    out = work / f"ab-{time.monotonic_ns()}.json"
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.update(startup.plan(env, startup.find_malloc()).env)
+    env.update(env_extra)
+    if source:
+        env["PYTHONPATH"] = source + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "vs_vllm.py"), "--worker", "ladle", "--model-dir",
+           str(model_dir), "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode, "--out",
+           str(out), "--budget", str(args.budget), "--max-num-seqs", "64", "--output-len", str(args.output_len)]
+    proc = subprocess.run(cmd, env=env, cwd=source or REPO, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", required=True,
+                   help="label=VAR=value[,VAR=value] or label=@DIR (repeatable; the first is the baseline)")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--modes", default="eager")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=12000)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
+    args = p.parse_args()
+    import benchutil
+
+    variants = [parse_variant(v) for v in args.variant]
+    model_dir = Path(args.cache_dir) / "qwen3-166m"
+    vs_vllm.make_model(model_dir)
+    prompts = vs_vllm.make_prompts(args.num_prompts, args.prompt_tokens, 0, vs_vllm.ARCH["vocab_size"])
+    work = Path(tempfile.mkdtemp(prefix="ladle_ab-"))
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    print(f"load at the start: {benchutil.load_average()}", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            wall = {v[0]: [] for v in variants}
+            cpu = {v[0]: [] for v in variants}
+            tokens: dict[str, list] = {}
+            for rep in range(args.repeats):
+                k = rep % len(variants)
+                order = variants[k:] + variants[:k]
+                for label, env, source in order:
+                    res = run_one(env, source, threads, mode, args, model_dir, prompts_file, work)
+                    wall[label].append(res["seconds"])
+                    cpu[label].append(res.get("cpu_seconds") or float("nan"))
+                    tokens[label] = res["tokens"]
+                    print(f"  {mode} threads={threads} rep {rep} {label}: wall {res['seconds']:.3f} s, "
+                          f"cpu {cpu[label][-1]:.3f} s", flush=True)
+            base = variants[0][0]
+            for label, _, _ in variants:
+                wr = [wall[base][i] / wall[label][i] for i in range(args.repeats)]
+                cr = [cpu[base][i] / cpu[label][i] for i in range(args.repeats)]
+                rows.append([threads, mode, label, " / ".join(f"{t:.2f}" for t in sorted(wall[label])),
+                             f"{statistics.median(wr):.3f}x", " / ".join(f"{t:.2f}" for t in sorted(cpu[label])),
+                             f"{statistics.median(cr):.3f}x", "yes" if tokens[label] == tokens[base] else "NO"])
+    print(f"load at the end: {benchutil.load_average()}")
+    print(benchutil.markdown_table(
+        ["threads", "mode", "variant", "wall s (sorted)", f"speed vs {variants[0][0]} (median ratio)",
+         "CPU s (sorted)", "CPU speed (median ratio)", "same tokens"], rows))
+
+
+if __name__ == "__main__":
+    main()
