@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import AttentionMetadata
@@ -66,13 +67,28 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_num_seqs)
         device = kv_caches[0].device
         largest = self.sizes[-1]
-        # One set of static inputs at the largest size; each bucket's graph reads a prefix of it.
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        # One set of static inputs at the largest size; each bucket's graph reads a prefix of it. Token
+        # ids, positions and slots share one tensor so a replay's inputs arrive in three copies in all.
+        width = max(max_blocks_per_seq, 1)
+        self._tokens = torch.zeros(3, largest, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
+        self.slot_mapping.fill_(-1)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(largest, max(max_blocks_per_seq, 1), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(largest, width, dtype=torch.int32, device=device)
+        # Their host staging (pinned on CUDA, so the copies are asynchronous DMA), written through numpy:
+        # a replay's inputs cost no torch op on the host beyond the copies.
+        pin = device.type == "cuda"
+        self._host_tokens = torch.zeros(3, largest, dtype=torch.long).pin_memory() if pin else \
+            torch.zeros(3, largest, dtype=torch.long)
+        self._host_seq_lens = torch.ones(largest, dtype=torch.int32)
+        self._host_tables = torch.zeros(largest, width, dtype=torch.int32)
+        if pin:
+            self._host_seq_lens = self._host_seq_lens.pin_memory()
+            self._host_tables = self._host_tables.pin_memory()
+        self._np_tokens, self._np_seq_lens = self._host_tokens.numpy(), self._host_seq_lens.numpy()
+        self._np_tables = self._host_tables.numpy()
+        self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
 
@@ -144,23 +160,35 @@ class DecodeGraphs:
             hidden = self._forward(meta)
         return _Graph(graph.replay, meta, hidden, graph)
 
-    def run(self, meta: AttentionMetadata, input_ids: torch.Tensor) -> torch.Tensor:
-        """Replay the bucket for this decode-only batch (built by the model runner, on the device):
-        copy its inputs into the static buffers, pad the rest, replay. Returns hidden [n, hidden]."""
-        n = meta.num_seqs
+    def run_decodes(self, input_ids: list[int], positions: list[int], table_rows: list[int],
+                    table: torch.Tensor) -> torch.Tensor:
+        """Replay the bucket for n one-token sequences: token ids, positions, and their rows of the
+        persistent host block table [rows, max_blocks] (int32). Slots and lengths are derived here, the
+        padding rows set (slot -1: store nothing; length 1), three copies made, the graph replayed.
+        Returns hidden [n, hidden] (a view of the graph's output: read it before the next replay)."""
+        n = len(input_ids)
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"no CUDA graph holds {n} decodes (largest: {self.sizes[-1]})")
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(meta.positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        if size > n:  # padding rows: store nothing, attend to one key (position 0 of a block id in range)
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.positions[n:size].zero_()
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous replay's copies have read the staging
+        pos = np.asarray(positions, dtype=np.int64)
+        rows = np.asarray(table_rows, dtype=np.int64)
+        host_table = table.numpy()
+        tokens, seq_lens, tables = self._np_tokens, self._np_seq_lens, self._np_tables
+        tokens[0, :n] = input_ids
+        tokens[1, :n] = pos
+        tokens[2, :n] = host_table[rows, pos // self.block_size].astype(np.int64) * self.block_size \
+            + pos % self.block_size
+        seq_lens[:n] = pos + 1
+        tables[:n] = host_table[rows, : tables.shape[1]]
+        tokens[:, n:size] = ((0,), (0,), (-1,))  # padding rows: token 0 at position 0, stored nowhere
+        seq_lens[n:size] = 1  # and attending to one key (block ids left from earlier rows stay in range)
+        self._tokens.copy_(self._host_tokens, non_blocking=True)
+        self.seq_lens.copy_(self._host_seq_lens, non_blocking=True)
+        self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         entry = self.graphs[size]
         entry.replay()
         return entry.hidden[:n]

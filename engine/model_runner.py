@@ -43,6 +43,19 @@ class _Batch:
 
 
 @dataclass(slots=True)
+class _Rows:
+    """A forward's rows planned on the host: what the metadata is built from, and what is read after."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]  # KV length of each sequence after the forward
+    keep_from: list[int]  # per sequence: its first row the forward returns (meta.restrict_outputs)
+    logits_rows: list[int]  # among the returned rows
+    prompt_rows: list[tuple[Request, int, int, int]]
+    requests: list[Request]
+
+
+@dataclass(slots=True)
 class PromptLogprobs:
     """Logprobs of a run of prompt positions one forward computed (engine/logprobs.py)."""
 
@@ -124,35 +137,48 @@ class ModelRunner:
                  prompt_logprobs: list[PromptLogprobs]) -> tuple[torch.Tensor | None, float]:
         """One forward; its sampling rows' logits (None if none) and the seconds spent preparing it."""
         t0 = time.perf_counter()
-        batch = self._batch(pieces)
-        prepare_time = time.perf_counter() - t0
-        if self._graph_fits(batch):
-            hidden = self.graphs.run(batch.meta, batch.input_ids)
+        rows = self._plan_rows(pieces)
+        if self._graph_fits(rows):
+            hidden = self._replay(rows)
             self.graph_steps += 1
+            prepare_time = 0.0  # the replay's staging is inside it, as the graph's forward
         else:
+            batch = self._batch(rows)
+            prepare_time = time.perf_counter() - t0
             hidden = self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
         vocab = self.model.arch.vocab_size
-        for req, row, lo, hi in batch.prompt_rows:
+        for req, row, lo, hi in rows.prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
             chosen, tops = token_logprobs(self.model.compute_logits, hidden[row : row + hi - lo], targets,
                                           req.params.prompt_logprobs, vocab, self.logprob_vocab or vocab)
             prompt_logprobs.append(PromptLogprobs(req, lo + 1, chosen, tops))
-        if not batch.logits_rows:
+        if not rows.logits_rows:
             return None, prepare_time
-        rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)), prepare_time
+        if len(rows.logits_rows) == hidden.shape[0]:  # every returned row samples (a decode batch)
+            return self.model.compute_logits(hidden), prepare_time
+        index = torch.tensor(rows.logits_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)), prepare_time
 
-    def _graph_fits(self, batch: _Batch) -> bool:
-        """A captured graph can run this forward: one query row per sequence, every row read, and a
-        bucket large enough."""
-        meta = batch.meta
-        return (self.graphs is not None and meta.max_query_len == 1 and meta.outputs is not None
-                and meta.outputs.every_row and self.graphs.bucket(meta.num_seqs) is not None)
+    def _graph_fits(self, rows: _Rows) -> bool:
+        """A captured graph can run this forward: one query row per sequence, and a bucket large enough."""
+        return (self.graphs is not None and all(q == 1 for q in rows.query_lens)
+                and self.graphs.bucket(len(rows.query_lens)) is not None)
 
-    def _batch(self, pieces: list[_Piece]) -> _Batch:
-        """The flattened batch of a forward and its metadata; the rows read after it (sampling rows,
-        prompt-logprob runs) numbered among the rows the forward returns (meta.outputs): a suffix of
-        each sequence's rows, from the first one read."""
+    def _replay(self, rows: _Rows) -> torch.Tensor:
+        """The forward from a CUDA graph, staged from the host plan without building metadata: hidden
+        states of the rows the forward returns (keep_from 0), as the eager forward would return them."""
+        table_rows = self.block_table.rows([r.seq_key for r in rows.requests], [r.block_ids for r in rows.requests])
+        positions = [s - 1 for s in rows.seq_lens]
+        hidden = self.graphs.run_decodes(rows.input_ids, positions, table_rows, self.block_table.table)
+        if all(k == 0 for k in rows.keep_from):
+            return hidden
+        kept = [b for b, k in enumerate(rows.keep_from) if k == 0]  # a 1-token prefill chunk nobody reads
+        return hidden.index_select(0, torch.tensor(kept, dtype=torch.int64, device=self.device))
+
+    def _plan_rows(self, pieces: list[_Piece]) -> _Rows:
+        """The rows of a forward on the host: token ids, lengths, and the rows read after it (sampling
+        rows, prompt-logprob runs) numbered among the rows the forward returns (meta.outputs): a suffix
+        of each sequence's rows, from the first one read."""
         input_ids: list[int] = []
         query_lens, seq_lens, keep_from = [], [], []
         logits_rows: list[int] = []
@@ -179,11 +205,16 @@ class ModelRunner:
             query_lens.append(p.num_tokens)
             seq_lens.append(end)
             keep_from.append(first)
-        reqs = [p.item.request for p in pieces]
-        rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
-        tables = self.block_table.table.index_select(0, torch.tensor(rows))
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.kv.block_size, device=self.device,
-                                       backend=self.attention_backend)
-        meta.restrict_outputs(keep_from)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return _Batch(ids, meta, logits_rows, prompt_rows)
+        return _Rows(input_ids, query_lens, seq_lens, keep_from, logits_rows, prompt_rows,
+                     [p.item.request for p in pieces])
+
+    def _batch(self, rows: _Rows) -> _Batch:
+        """The flattened batch of an eager forward and its metadata (meta.outputs: the rows read)."""
+        reqs = rows.requests
+        table_rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
+        tables = self.block_table.table.index_select(0, torch.tensor(table_rows))
+        meta = AttentionMetadata.build(rows.query_lens, rows.seq_lens, tables, self.kv.block_size,
+                                       device=self.device, backend=self.attention_backend)
+        meta.restrict_outputs(rows.keep_from)
+        ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
+        return _Batch(ids, meta, rows.logits_rows, rows.prompt_rows)

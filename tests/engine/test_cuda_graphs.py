@@ -170,3 +170,37 @@ def test_replay_equals_eager_to_rounding_past_one_key_tile(tiny_hf_model_dir):
     words = _run_script(PLAN_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "compared"
     assert float(words[2]) <= 1e-5, f"replayed prompt logprobs differ from eager's by {words[2]}"
+
+
+def test_staged_inputs_equal_the_metadata_eager_builds():
+    """run_decodes derives slots, positions and lengths on the host (numpy) instead of building
+    AttentionMetadata: they must be what AttentionMetadata.build gives the same batch, and every padding
+    row must store nothing (slot -1) and attend to one key, also after a larger batch used those rows."""
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs, _Graph
+    from kernels import AttentionMetadata
+
+    block_size, width = 4, 5
+    graphs = DecodeGraphs(None, [torch.zeros(1)], block_size, width, block_size * width, 6)
+    replays = []
+    for size in graphs.sizes:
+        graphs.graphs[size] = _Graph(lambda size=size: replays.append(size), None, torch.zeros(size, 2))
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(40, generator=gen)[:8 * width].view(8, width).to(torch.int32)
+    for rows, seq_lens in [([5, 0, 7, 2, 6], [3, 20, 9, 4, 1]), ([1, 3, 4], [17, 8, 12])]:
+        n = len(rows)
+        ids = [11 * (i + 1) for i in range(n)]
+        hidden = graphs.run_decodes(ids, [s - 1 for s in seq_lens], rows, table)
+        size = graphs.bucket(n)
+        assert replays[-1] == size and hidden.shape[0] == n
+        meta = AttentionMetadata.build([1] * n, seq_lens, table[rows], block_size)
+        assert graphs.slot_mapping[:n].tolist() == meta.slot_mapping.tolist()
+        assert graphs.positions[:n].tolist() == meta.positions.tolist()
+        assert graphs.input_ids[:n].tolist() == ids
+        assert graphs.seq_lens[:n].tolist() == seq_lens
+        assert torch.equal(graphs.block_tables[:n], table[rows])
+        assert graphs.slot_mapping[n:size].tolist() == [-1] * (size - n)
+        assert graphs.seq_lens[n:size].tolist() == [1] * (size - n)
+        assert graphs.positions[n:size].tolist() == [0] * (size - n)
+        assert int(graphs.block_tables[:size].max()) < 40  # padding rows read block ids in range
