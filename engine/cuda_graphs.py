@@ -25,6 +25,7 @@ under the interpreter: tests/engine/test_cuda_graphs.py) and a bf16 near-tie can
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -38,12 +39,21 @@ from kernels import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+MAX_GRAPH_BATCH = 512  # larger decode batches run eager: their launches are a small part of their time
+
+
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to 64 and of 32 beyond, and
-    max_num_seqs itself, so a batch pads by at most 7 rows up to 64 and 31 beyond."""
-    sizes = {1, 2, 4, 8} | set(range(16, min(max_num_seqs, 64) + 1, 8)) | set(range(96, max_num_seqs + 1, 32))
-    sizes.add(max_num_seqs)
-    return sorted(s for s in sizes if s <= max_num_seqs)
+    max_num_seqs itself, so a batch pads by at most 7 rows up to 64 and 31 beyond; none above
+    MAX_GRAPH_BATCH (as vLLM's default capture sizes stop at 512)."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = {1, 2, 4, 8} | set(range(16, min(top, 64) + 1, 8)) | set(range(96, top + 1, 32))
+    sizes.add(top)
+    return sorted(s for s in sizes if s <= top)
+
+
+def _staging(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    return tensor.pin_memory() if pin else tensor
 
 
 @dataclass(slots=True)
@@ -55,7 +65,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The captured graphs of one model and KV cache; `run` replays the bucket that fits a decode batch."""
+    """The captured graphs of one model and KV cache: `stage` a batch of one-token sequences into the
+    static buffers of the bucket that holds it, then `replay` that bucket."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  max_blocks_per_seq: int, max_model_len: int, max_num_seqs: int, backend: str = "auto") -> None:
@@ -79,13 +90,9 @@ class DecodeGraphs:
         # Their host staging (pinned on CUDA, so the copies are asynchronous DMA), written through numpy:
         # a replay's inputs cost no torch op on the host beyond the copies.
         pin = device.type == "cuda"
-        self._host_tokens = torch.zeros(3, largest, dtype=torch.long).pin_memory() if pin else \
-            torch.zeros(3, largest, dtype=torch.long)
-        self._host_seq_lens = torch.ones(largest, dtype=torch.int32)
-        self._host_tables = torch.zeros(largest, width, dtype=torch.int32)
-        if pin:
-            self._host_seq_lens = self._host_seq_lens.pin_memory()
-            self._host_tables = self._host_tables.pin_memory()
+        self._host_tokens = _staging(torch.zeros(3, largest, dtype=torch.long), pin)
+        self._host_seq_lens = _staging(torch.ones(largest, dtype=torch.int32), pin)
+        self._host_tables = _staging(torch.zeros(largest, width, dtype=torch.int32), pin)
         self._np_tokens, self._np_seq_lens = self._host_tokens.numpy(), self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
         self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
@@ -96,10 +103,11 @@ class DecodeGraphs:
         """Capture every bucket (largest first, one shared pool). Returns the seconds it took."""
         t0 = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):
-            self.graphs[size] = self._capture(size, pool)
-            graph = self.graphs[size].graph
-            pool = graph.pool() if graph is not None else None
+        with self._on_device():
+            for size in reversed(self.sizes):
+                self.graphs[size] = self._capture(size, pool)
+                graph = self.graphs[size].graph
+                pool = graph.pool() if graph is not None else None
         if self.input_ids.is_cuda:
             torch.cuda.synchronize(self.input_ids.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -160,18 +168,24 @@ class DecodeGraphs:
             hidden = self._forward(meta)
         return _Graph(graph.replay, meta, hidden, graph)
 
-    def run_decodes(self, input_ids: list[int], positions: list[int], table_rows: list[int],
-                    table: torch.Tensor) -> torch.Tensor:
-        """Replay the bucket for n one-token sequences: token ids, positions, and their rows of the
-        persistent host block table [rows, max_blocks] (int32). Slots and lengths are derived here, the
-        padding rows set (slot -1: store nothing; length 1), three copies made, the graph replayed.
-        Returns hidden [n, hidden] (a view of the graph's output: read it before the next replay)."""
+    def _on_device(self):
+        """Make the buffers' GPU the current device (model.device=cuda:N): captures, copies and replays
+        run on its current stream, and the staging's event is recorded there."""
+        device = self._tokens.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    def stage(self, input_ids: list[int], positions: list[int], table_rows: list[int],
+              table: torch.Tensor) -> int:
+        """Put n one-token sequences in the static buffers: token ids, positions, and their rows of the
+        persistent host block table [rows, max_blocks] (int32). Slots and lengths are derived here (numpy,
+        no torch op), the bucket's padding rows set (slot -1: store nothing; length 1; position 0), and
+        three non-blocking copies made. Returns the bucket size to `replay`."""
         n = len(input_ids)
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"no CUDA graph holds {n} decodes (largest: {self.sizes[-1]})")
         if self._copied is not None:
-            self._copied.synchronize()  # the previous replay's copies have read the staging
+            self._copied.synchronize()  # the previous copies have read the staging: it may be rewritten
         pos = np.asarray(positions, dtype=np.int64)
         rows = np.asarray(table_rows, dtype=np.int64)
         host_table = table.numpy()
@@ -184,11 +198,20 @@ class DecodeGraphs:
         tables[:n] = host_table[rows, : tables.shape[1]]
         tokens[:, n:size] = ((0,), (0,), (-1,))  # padding rows: token 0 at position 0, stored nowhere
         seq_lens[n:size] = 1  # and attending to one key (block ids left from earlier rows stay in range)
-        self._tokens.copy_(self._host_tokens, non_blocking=True)
-        self.seq_lens.copy_(self._host_seq_lens, non_blocking=True)
-        self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        with self._on_device():
+            self._tokens.copy_(self._host_tokens, non_blocking=True)
+            self.seq_lens.copy_(self._host_seq_lens, non_blocking=True)
+            self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+            if self._copied is not None:
+                # On the copies' stream: the current stream of the buffers' device (explicit, as with
+                # model.device=cuda:N it is not device 0's)
+                self._copied.record(torch.cuda.current_stream(self._tokens.device))
+        return size
+
+    def replay(self, size: int, n: int) -> torch.Tensor:
+        """Replay bucket `size` on what `stage` put there; hidden [n, hidden] of the n staged rows (a view
+        of the graph's output: read it before the next replay)."""
         entry = self.graphs[size]
-        entry.replay()
+        with self._on_device():
+            entry.replay()
         return entry.hidden[:n]

@@ -139,9 +139,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         rows = self._plan_rows(pieces)
         if self._graph_fits(rows):
-            hidden = self._replay(rows)
+            size = self._stage(rows)
+            prepare_time = time.perf_counter() - t0
+            hidden = self._replay(rows, size)
             self.graph_steps += 1
-            prepare_time = 0.0  # the replay's staging is inside it, as the graph's forward
         else:
             batch = self._batch(rows)
             prepare_time = time.perf_counter() - t0
@@ -164,12 +165,16 @@ class ModelRunner:
         return (self.graphs is not None and all(q == 1 for q in rows.query_lens)
                 and self.graphs.bucket(len(rows.query_lens)) is not None)
 
-    def _replay(self, rows: _Rows) -> torch.Tensor:
-        """The forward from a CUDA graph, staged from the host plan without building metadata: hidden
-        states of the rows the forward returns (keep_from 0), as the eager forward would return them."""
+    def _stage(self, rows: _Rows) -> int:
+        """A graph's inputs staged from the host plan, without building metadata; the bucket size."""
         table_rows = self.block_table.rows([r.seq_key for r in rows.requests], [r.block_ids for r in rows.requests])
         positions = [s - 1 for s in rows.seq_lens]
-        hidden = self.graphs.run_decodes(rows.input_ids, positions, table_rows, self.block_table.table)
+        return self.graphs.stage(rows.input_ids, positions, table_rows, self.block_table.table)
+
+    def _replay(self, rows: _Rows, size: int) -> torch.Tensor:
+        """The staged forward from its CUDA graph: hidden states of the rows the forward returns (keep_from
+        0), as the eager forward would return them."""
+        hidden = self.graphs.replay(size, len(rows.query_lens))
         if all(k == 0 for k in rows.keep_from):
             return hidden
         kept = [b for b, k in enumerate(rows.keep_from) if k == 0]  # a 1-token prefill chunk nobody reads
