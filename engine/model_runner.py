@@ -9,6 +9,8 @@ prefill positions of requests that ask for prompt logprobs (engine/logprobs.py),
 A step's host work is O(batch) plus O(new tokens): input ids are slices of each request's prompt or
 output (never prompt + output rebuilt), positions and slots are computed by torch from the lengths,
 and block tables come from the persistent table (engine/block_table.py), which copies only new ids.
+On CUDA a forward of one-token sequences (decodes) that fits a captured graph skips the metadata: its
+inputs are staged from the host plan and the graph replayed (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ class _Piece:
 class _Batch:
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata  # with `outputs` set: the rows the forward returns
-    logits_rows: list[int]  # rows of the forward's output that sample, in step order
-    prompt_rows: list[tuple[Request, int, int, int]]  # request, first output row, prompt positions [lo, hi)
 
 
 @dataclass(slots=True)
@@ -50,8 +50,8 @@ class _Rows:
     query_lens: list[int]
     seq_lens: list[int]  # KV length of each sequence after the forward
     keep_from: list[int]  # per sequence: its first row the forward returns (meta.restrict_outputs)
-    logits_rows: list[int]  # among the returned rows
-    prompt_rows: list[tuple[Request, int, int, int]]
+    logits_rows: list[int]  # rows of the forward's output that sample, in step order
+    prompt_rows: list[tuple[Request, int, int, int]]  # request, first output row, prompt positions [lo, hi)
     requests: list[Request]
 
 
@@ -222,4 +222,4 @@ class ModelRunner:
                                        device=self.device, backend=self.attention_backend)
         meta.restrict_outputs(rows.keep_from)
         ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
-        return _Batch(ids, meta, rows.logits_rows, rows.prompt_rows)
+        return _Batch(ids, meta)
