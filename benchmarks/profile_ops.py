@@ -5,7 +5,9 @@ Runs benchmarks/vs_vllm.py's ladle workload (random Qwen3 166M, 32 prompts / ~12
 measurement, and reports each op's self time in seconds. The C++ attention kernel is called through
 ctypes, which the profiler cannot see: it is wrapped in a record_function named
 `ladle::cpu_paged_attention` (and the fused CPU kernels `ladle::add_rms_norm`, `ladle::gated_activation`,
-`ladle::qk_norm_rope`, and the linear layers' `ladle::cpu_gemm`, where the checkout has them). "other" is the
+`ladle::qk_norm_rope`, and the linear layers' `ladle::cpu_gemm`, where the checkout has them). Since the
+gated form (kernels/cpu_gemm), a gated MLP's activation runs inside its down projection's `ladle::cpu_gemm`
+(`LADLE_GEMM_GATED=0` in the environment: the separate `ladle::gated_activation` again). "other" is the
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
 
 `--source DIR` (repeatable, `label=DIR`) profiles the engine code of another checkout, e.g. the
