@@ -2,7 +2,7 @@
 # GPU bring-up (issue 23), run on a lent GPU machine from the repository root:
 #   bash benchmarks/gpu/bringup.sh tests|runner|decode|throughput|sweep ...   (several phases in order)
 # Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
-# xgrammar, jsonschema and what they need) are installed from .whl/ when it is there; see docs/GPU.md.
+# xgrammar, jsonschema and what they need) are installed from .whl/ when it is there (fetch_wheels.sh).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
