@@ -4,6 +4,8 @@ Kept as a Python string so an installed package always carries it. The numerical
 output rounds as the torch ops it replaces, in the same order) is described in kernels/cpu_fused.py.
 """
 
+from kernels.cpu_gated_source import GATED_AVX512
+
 SOURCE = r"""
 // ladle fused CPU kernels, float32: residual add + RMSNorm, gated activation (SiLU / GELU-tanh times
 // up), per-head RMSNorm + RoPE. Each output element is the same sequence of IEEE operations as the
@@ -152,32 +154,14 @@ inline float inv_rms(const float* x, int64_t n, float eps, int lanes) {
   return 1.0f / std::sqrt(mean + eps);
 }
 
-// torch's kBeta (M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded to float) and kKappa.
-constexpr float kBeta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
-constexpr float kKappa = 0.044715f;
+""" + GATED_AVX512 + r"""
 
 // One row of act(g) * u, n elements. With SLEEF installed: one pass in vectors (a masked or padded
 // tail: every lane the same operations); otherwise chunks through libm.
 void gated_row(const float* g, const float* u, float* o, int64_t n, int act) {
 #if defined(__AVX512F__)
   if (Fn16 f = act == 0 ? g_exp16 : g_tanh16) {
-    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-    const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
-    const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
-      const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-      __m512 y;
-      if (act == 0) {
-        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
-        y = _mm512_div_ps(x, _mm512_add_ps(one, f(neg)));
-      } else {
-        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-        const __m512 t = f(_mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x)));
-        y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
-      }
-      _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, u + i)));
-    }
+    gated_avx512(g, u, o, n, act, f);
     return;
   }
 #endif

@@ -4,6 +4,8 @@ Kept as a Python string so an installed package always carries it. The numerical
 K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
 """
 
+from kernels.cpu_gated_source import GATED_AVX512
+
 SOURCE = r"""
 // ladle CPU GEMM, float32, AVX-512: out[M][N] = x[M][K] @ W[N][K]^T, W packed once into column
 // groups of 32 ([group][k][32]: one k step of a group is two consecutive cache lines). Every output is
@@ -124,28 +126,9 @@ void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
 using Fn16 = __m512 (*)(__m512);
 Fn16 g_exp16 = nullptr, g_tanh16 = nullptr;
 constexpr int KP = 256;
-constexpr float kBeta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
-constexpr float kKappa = 0.044715f;
-
+""" + GATED_AVX512 + r"""
 void gated_piece(const float* g, const float* u, float* o, int n, int act) {
-  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-  const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
-  const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
-  const Fn16 f = act == 0 ? g_exp16 : g_tanh16;
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
-    const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-    __m512 y;
-    if (act == 0) {
-      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
-      y = _mm512_div_ps(x, _mm512_add_ps(one, f(neg)));
-    } else {
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 t = f(_mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x)));
-      y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
-    }
-    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, u + i)));
-  }
+  gated_avx512(g, u, o, n, act, act == 0 ? g_exp16 : g_tanh16);
 }
 
 void pack_rows_gated(const float* x, int64_t ldx, int M, int K, int c, float* xb, int act) {
