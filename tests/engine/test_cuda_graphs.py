@@ -49,6 +49,14 @@ EAGER_REPLAY = textwrap.dedent(
             def replay():
                 hidden.copy_(self._forward(meta))
             return _Graph(replay, meta, hidden)
+
+    def replay_graphs(eng):
+        # What the builder's capture_graphs makes, with EagerReplay for the CUDA capture.
+        kv, max_len = eng.kv, eng.config.cache.max_model_len
+        graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len,
+                             eng.config.max_num_seqs, "triton")
+        graphs.capture()
+        return graphs
     """
 )
 
@@ -73,8 +81,7 @@ SCRIPT = textwrap.dedent(
 
     eng = make_engine(path, size=32, max_num_seqs=6, max_model_len=max_len, attention_backend="triton")
     kv = eng.kv
-    graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len, 6, "triton")
-    graphs.capture()
+    graphs = replay_graphs(eng)
     # Capture wrote nothing to the cache (every slot was -1).
     assert all(int(c.count_nonzero()) == 0 for c in kv.kv_caches)
     plan = next(iter(graphs.graphs[1].meta.cache.values()))
@@ -116,8 +123,7 @@ COMPILE_SCRIPT = textwrap.dedent(
     ref = [o.output_token_ids for o in eng.generate(prompts, params)]
     kv = eng.kv
     before = [c.clone() for c in kv.kv_caches]
-    graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len, 4, "triton")
-    graphs.capture()
+    graphs = replay_graphs(eng)
     # The padding slot -1 stored nothing, in any layer (the last one's keys included).
     assert all(torch.equal(a, b) for a, b in zip(before, kv.kv_caches)), "capture wrote into the KV cache"
     eng.model_runner.graphs = graphs
@@ -149,9 +155,7 @@ PLAN_SCRIPT = textwrap.dedent(
     eager = make_engine(path, size=1, max_num_seqs=2, max_model_len=max_len, attention_backend="triton")
     ref = [o.prompt_logprobs for o in eager.generate(prompts, params)]
     eng = make_engine(path, size=1, max_num_seqs=2, max_model_len=max_len, attention_backend="triton")
-    kv = eng.kv
-    graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len, 2, "triton")
-    graphs.capture()
+    graphs = replay_graphs(eng)
     eng.model_runner.graphs = graphs
     got = [o.prompt_logprobs for o in eng.generate(prompts, params)]
     assert eng.model_runner.graph_steps > 0
@@ -261,9 +265,7 @@ MIXED_SCRIPT = textwrap.dedent(
 
     ref = run(engine())
     eng = engine()
-    kv = eng.kv
-    graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len, 4, "triton")
-    graphs.capture()
+    graphs = replay_graphs(eng)
     eng.model_runner.graphs = graphs
     preempted, dropped = [0], [0]
     preempt, replay = eng.scheduler._preempt, eng.model_runner._replay
