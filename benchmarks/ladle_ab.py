@@ -67,17 +67,13 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--modes", default="eager")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=12000)
-    p.add_argument("--output-len", type=int, default=32)
+    vs_vllm.add_workload_args(p)
     p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
     args = p.parse_args()
     import benchutil
 
     variants = [parse_variant(v) for v in args.variant]
-    model_dir = Path(args.cache_dir) / "qwen3-166m"
-    vs_vllm.make_model(model_dir)
+    model_dir = vs_vllm.workload_model(args)
     prompts = vs_vllm.make_prompts(args.num_prompts, args.prompt_tokens, 0, vs_vllm.ARCH["vocab_size"])
     work = Path(tempfile.mkdtemp(prefix="ladle_ab-"))
     prompts_file = work / "prompts.json"

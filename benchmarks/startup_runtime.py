@@ -189,8 +189,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     import benchutil
     import vs_vllm
 
-    model_dir = Path(args.cache_dir) / "qwen3-166m"
-    vs_vllm.make_model(model_dir)
+    model_dir = vs_vllm.workload_model(args)
     prompts = vs_vllm.make_prompts(args.num_prompts, args.prompt_tokens, args.seed, vs_vllm.ARCH["vocab_size"])
     work = Path(tempfile.mkdtemp(prefix="startup_runtime-"))
     prompts_file = work / "prompts.json"
@@ -226,6 +225,8 @@ def orchestrate(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import vs_vllm
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -234,11 +235,8 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=12000)
-    p.add_argument("--output-len", type=int, default=32)
+    vs_vllm.add_workload_args(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
     if args.worker:

