@@ -198,8 +198,8 @@ def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
         return None
     mc = config.model
     kv, cache = parts.kv, config.cache
-    graphs = DecodeGraphs(parts.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(cache.max_model_len),
-                          cache.max_model_len, config.max_num_seqs, mc.attention_backend)
+    graphs = DecodeGraphs(parts.model, kv.kv_caches, kv.block_size, cache.max_model_len, config.max_num_seqs,
+                          mc.attention_backend)
     seconds = graphs.capture()
     parts.model_runner.graphs = graphs
     log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s", len(graphs.sizes),

@@ -69,7 +69,7 @@ class DecodeGraphs:
     static buffers of the bucket that holds it, then `replay` that bucket."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 max_blocks_per_seq: int, max_model_len: int, max_num_seqs: int, backend: str = "auto") -> None:
+                 max_model_len: int, max_num_seqs: int, backend: str = "auto") -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -80,7 +80,7 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         # One set of static inputs at the largest size; each bucket's graph reads a prefix of it. Token
         # ids, positions and slots share one tensor so a replay's inputs arrive in three copies in all.
-        width = max(max_blocks_per_seq, 1)
+        width = -(-max_model_len // block_size)  # blocks of the longest sequence: the persistent table's width
         self._tokens = torch.zeros(3, largest, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
         self.slot_mapping.fill_(-1)
@@ -97,7 +97,6 @@ class DecodeGraphs:
         self._np_tables = self._host_tables.numpy()
         self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
         self.graphs: dict[int, _Graph] = {}
-        self.capture_seconds = 0.0
 
     def capture(self) -> float:
         """Capture every bucket (largest first, one shared pool). Returns the seconds it took."""
@@ -110,8 +109,7 @@ class DecodeGraphs:
                 pool = graph.pool() if graph is not None else None
         if self.input_ids.is_cuda:
             torch.cuda.synchronize(self.input_ids.device)
-        self.capture_seconds = time.perf_counter() - t0
-        return self.capture_seconds
+        return time.perf_counter() - t0
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs decodes (None: too many, run eager)."""

@@ -53,8 +53,7 @@ EAGER_REPLAY = textwrap.dedent(
     def replay_graphs(eng):
         # What the builder's capture_graphs makes, with EagerReplay for the CUDA capture.
         kv, max_len = eng.kv, eng.config.cache.max_model_len
-        graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, kv.spec.blocks_for(max_len), max_len,
-                             eng.config.max_num_seqs, "triton")
+        graphs = EagerReplay(eng.model, kv.kv_caches, kv.block_size, max_len, eng.config.max_num_seqs, "triton")
         graphs.capture()
         return graphs
     """
@@ -187,7 +186,7 @@ def test_staged_inputs_equal_the_metadata_eager_builds():
     from kernels import AttentionMetadata
 
     block_size, width = 4, 5
-    graphs = DecodeGraphs(None, [torch.zeros(1)], block_size, width, block_size * width, 6)
+    graphs = DecodeGraphs(None, [torch.zeros(1)], block_size, block_size * width, 6)
     replays = []
     for size in graphs.sizes:
         graphs.graphs[size] = _Graph(lambda size=size: replays.append(size), None, torch.zeros(size, 2))
@@ -222,7 +221,7 @@ def test_staging_guard_is_recorded_on_the_copies_stream(monkeypatch):
 
     from engine.cuda_graphs import DecodeGraphs, _Graph
 
-    graphs = DecodeGraphs(None, [torch.zeros(1)], 4, 3, 12, 2)
+    graphs = DecodeGraphs(None, [torch.zeros(1)], 4, 12, 2)
     for size in graphs.sizes:
         graphs.graphs[size] = _Graph(lambda: None, None, torch.zeros(size, 2))
 
