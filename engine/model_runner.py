@@ -167,8 +167,8 @@ class ModelRunner:
 
     def _stage(self, rows: _Rows) -> int:
         """A graph's inputs staged from the host plan, without building metadata; the bucket size."""
-        table_rows = self.block_table.rows([r.seq_key for r in rows.requests], [r.block_ids for r in rows.requests])
         positions = [s - 1 for s in rows.seq_lens]
+        table_rows = self._table_rows(rows)  # first: it may grow (reallocate) the table read next
         return self.graphs.stage(rows.input_ids, positions, table_rows, self.block_table.table)
 
     def _replay(self, rows: _Rows, size: int) -> torch.Tensor:
@@ -213,11 +213,14 @@ class ModelRunner:
         return _Rows(input_ids, query_lens, seq_lens, keep_from, logits_rows, prompt_rows,
                      [p.item.request for p in pieces])
 
+    def _table_rows(self, rows: _Rows) -> list[int]:
+        """The forward's sequences' rows of the persistent block table, brought up to date."""
+        reqs = rows.requests
+        return self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
+
     def _batch(self, rows: _Rows) -> _Batch:
         """The flattened batch of an eager forward and its metadata (meta.outputs: the rows read)."""
-        reqs = rows.requests
-        table_rows = self.block_table.rows([r.seq_key for r in reqs], [r.block_ids for r in reqs])
-        tables = self.block_table.table.index_select(0, torch.tensor(table_rows))
+        tables = self.block_table.table.index_select(0, torch.tensor(self._table_rows(rows)))
         meta = AttentionMetadata.build(rows.query_lens, rows.seq_lens, tables, self.kv.block_size,
                                        device=self.device, backend=self.attention_backend)
         meta.restrict_outputs(rows.keep_from)
