@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.kv_cache import KVCacheManager, layer_cache
+from engine.kv_cache import KVCacheManager, layer_cache, plane_stride
 from engine.kv_spec import KVCacheSpec
 from engine.request import Request, RequestMetrics
-from kernels import cpu_paged
+from kernels import AttentionMetadata, cpu_paged, reference_attention
 from tests.engine.helpers import make_engine, random_prompt
 
 
@@ -26,6 +26,50 @@ def test_cpu_cache_is_head_major_behind_the_logical_shape():
     assert cache.stride() == (5 * 4 * 16 * 8, 4 * 16 * 8, 8, 16 * 8, 1)
     assert not cache.is_contiguous() and bool((cache == 0).all())
     assert cpu_paged.supports(torch.zeros(1, 8, 8), cache)  # the kernel takes it as it is
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("itemsize", [4, 2])
+@pytest.mark.parametrize("plane_bytes", [2 * MiB, 2 * MiB + 4096, 3 * MiB, 512 * MiB, 512 * MiB - 32768,
+                                         (1 << 30) + MiB + 4096, (1 << 30) + MiB + 8192, 5 * MiB - 1024])
+def test_plane_stride_keeps_k_and_v_off_large_powers_of_two(plane_bytes, itemsize):
+    """From 2 MiB on, the V plane starts past the K plane's end, at 1 MiB + 4 KiB modulo 2 MiB, at most
+    3 MiB later: never a large power of two away (512 MiB planes, the default pool at 64 x 4096, were)."""
+    elems = plane_bytes // itemsize
+    offset = plane_stride(elems, itemsize) * itemsize
+    assert elems * itemsize <= offset <= elems * itemsize + 3 * MiB
+    assert offset % (2 * MiB) == MiB + 4096
+    assert offset % (1 << 28) != 0
+
+
+@pytest.mark.parametrize("elems", [1, 1000, MiB // 4 - 1])
+def test_plane_stride_leaves_small_planes_packed(elems):
+    assert plane_stride(elems, 4) == elems  # under 2 MiB: no huge pages, nothing large apart
+
+
+def test_large_cpu_cache_gap_between_planes_is_invisible():
+    """A cache whose planes take the gap (here 8 MiB each) is written and read through the logical shape
+    like a plain tensor: the kernel and the torch reference give bitwise what a token-major copy gives."""
+    shape = (2, 256, 16, 8, 64)  # 256 blocks of 8 heads x 16 x 64 fp32: 8 MiB a plane
+    cache = layer_cache(shape, torch.float32, torch.device("cpu"))
+    assert cache.stride(0) == plane_stride(256 * 8 * 16 * 64, 4) > 256 * 8 * 16 * 64
+    assert bool((cache == 0).all())
+    gen = torch.Generator().manual_seed(1)
+    cache.copy_(torch.randn(shape, generator=gen))
+    tables = [list(range(40)), list(range(100, 103)), list(range(200, 256))]  # 255: the last block of the pool
+    seq_lens, query_lens = [630, 40, 890], [1, 7, 1]
+    t = sum(query_lens)
+    q = torch.randn(t, 16, 64, generator=gen)
+    k, v = torch.randn(t, 8, 64, generator=gen), torch.randn(t, 8, 64, generator=gen)
+    for attention in (cpu_paged.cpu_paged_attention, reference_attention):
+        gapped = layer_cache(shape, torch.float32, torch.device("cpu")).copy_(cache)
+        plain = cache.contiguous()
+        want = attention(q, k, v, plain, AttentionMetadata.build(query_lens, seq_lens, tables, 16), scale=0.125)
+        got = attention(q, k, v, gapped, AttentionMetadata.build(query_lens, seq_lens, tables, 16), scale=0.125)
+        assert torch.equal(got, want), attention.__name__
+        assert torch.equal(gapped, plain), attention.__name__  # the new rows landed in the same logical slots
 
 
 def _request(rid: str, tokens: int) -> Request:
