@@ -71,7 +71,8 @@ def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     large power of two apart (the default pool of max_num_seqs x max_model_len tokens is 16,384 blocks
     for 64 x 4096, a 512 MiB plane), where the memory system maps them onto the same resources: measured
     on a Zen 4 EPYC (32 decodes at context 400, 16 / 8 heads x 64, 1 thread), planes 256 or 512 MiB apart
-    took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not enough).
+    took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not enough). The
+    gap is memory the plan (engine/memory.py, blocks x bytes per block) does not count: <= 3 MiB a layer.
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
