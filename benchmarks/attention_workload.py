@@ -9,6 +9,10 @@ each layer its own paged cache, new keys/values written by the call) on random d
 kernel in turn (the order alternates every repeat). Reported: seconds in forwards that carry a prefill
 chunk, in decode-only forwards, the total, and GFLOP/s of the prefill chunks' attention.
 
+Each layer's cache holds the blocks the schedule needs, scattered at random, not the engine's whole pool in
+allocation order: effects of the pool's size on the layout (the K and V planes' distance, engine/kv_cache.py,
+docs/benchmarks.md section 8f) do not show here.
+
     PYTHONPATH=. .venv/bin/python benchmarks/attention_workload.py --baseline REV [--threads 1] [--clock cpu]
 """
 
