@@ -36,10 +36,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """kv_cache [2, num_blocks, block_size, Hkv, D] as rows of its memory [k|v, row, D], and where a key's
     row is: block b, token i, head h at row b * sb + i * st + h * sh for the returned (sb, st, sh). Any
-    layout whose rows are head_dim contiguous elements (token-major blocks: row = slot * Hkv + h)."""
+    layout whose rows are head_dim contiguous elements (token-major blocks: row = slot * Hkv + h). The K->V
+    plane stride is free (the CPU cache's is not a multiple of head_dim: engine/kv_cache.layer_cache)."""
     d = kv_cache.shape[-1]
     strides = kv_cache.stride()
-    if strides[-1] != 1 or any(x % d for x in strides[:-1]):
+    if strides[-1] != 1 or any(x % d for x in strides[1:-1]):
         raise ValueError(f"a KV cache's rows must be contiguous head_dim elements (strides {strides})")
     sb, st, sh = (x // d for x in strides[1:4])
     rows = 1 + sum((n - 1) * x for n, x in zip(kv_cache.shape[1:4], (sb, st, sh)))

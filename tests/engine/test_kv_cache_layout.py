@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.kv_cache import KVCacheManager, layer_cache, plane_stride
-from engine.kv_spec import KVCacheSpec
+from engine.kv_cache import KVCacheManager, layer_cache
+from engine.kv_spec import KVCacheSpec, cpu_plane_stride
 from engine.request import Request, RequestMetrics
 from kernels import AttentionMetadata, cpu_paged, reference_attention
 from tests.engine.helpers import make_engine, random_prompt
@@ -35,41 +35,52 @@ MiB = 1 << 20
 @pytest.mark.parametrize("plane_bytes", [2 * MiB, 2 * MiB + 4096, 3 * MiB, 512 * MiB, 512 * MiB - 32768,
                                          (1 << 30) + MiB + 4096, (1 << 30) + MiB + 8192, 5 * MiB - 1024])
 def test_plane_stride_keeps_k_and_v_off_large_powers_of_two(plane_bytes, itemsize):
-    """From 2 MiB on, the V plane starts past the K plane's end, at 1 MiB + 4 KiB modulo 2 MiB, at most
-    3 MiB later: never a large power of two away (512 MiB planes, the default pool at 64 x 4096, were)."""
+    """From 2 MiB on, the V plane starts past the K plane's end, at 1 MiB + 4 KiB modulo 2 MiB, less than
+    2 MiB later: never a large power of two away (256 and 512 MiB planes, default pools, were)."""
     elems = plane_bytes // itemsize
-    offset = plane_stride(elems, itemsize) * itemsize
-    assert elems * itemsize <= offset <= elems * itemsize + 3 * MiB
+    offset = cpu_plane_stride(elems, itemsize) * itemsize
+    assert elems * itemsize <= offset < elems * itemsize + 2 * MiB
     assert offset % (2 * MiB) == MiB + 4096
-    assert offset % (1 << 28) != 0
 
 
 @pytest.mark.parametrize("elems", [1, 1000, MiB // 4 - 1])
 def test_plane_stride_leaves_small_planes_packed(elems):
-    assert plane_stride(elems, 4) == elems  # under 2 MiB: no huge pages, nothing large apart
+    assert cpu_plane_stride(elems, 4) == elems  # under 2 MiB: no huge pages, nothing large apart
 
 
-def test_large_cpu_cache_gap_between_planes_is_invisible():
-    """A cache whose planes take the gap (here 8 MiB each) is written and read through the logical shape
-    like a plain tensor: the kernel and the torch reference give bitwise what a token-major copy gives."""
-    shape = (2, 256, 16, 8, 64)  # 256 blocks of 8 heads x 16 x 64 fp32: 8 MiB a plane
-    cache = layer_cache(shape, torch.float32, torch.device("cpu"))
-    assert cache.stride(0) == plane_stride(256 * 8 * 16 * 64, 4) > 256 * 8 * 16 * 64
+@pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.float32), (96, torch.bfloat16), (80, torch.float32)])
+def test_large_cpu_cache_gap_between_planes_is_invisible(head_dim, dtype):
+    """A cache whose planes take the gap (3-10 MiB planes) is written and read through the logical shape
+    like a plain tensor: the kernel and the torch reference (bf16 caches' path) give bitwise what a
+    token-major copy gives, also where the plane stride is not a multiple of head_dim (80, 96)."""
+    shape = (2, 256, 16, 8, head_dim)
+    cache = layer_cache(shape, dtype, torch.device("cpu"))
+    assert cache.stride(0) == cpu_plane_stride(256 * 8 * 16 * head_dim, dtype.itemsize) > 256 * 8 * 16 * head_dim
     assert bool((cache == 0).all())
     gen = torch.Generator().manual_seed(1)
     cache.copy_(torch.randn(shape, generator=gen))
     tables = [list(range(40)), list(range(100, 103)), list(range(200, 256))]  # 255: the last block of the pool
     seq_lens, query_lens = [630, 40, 890], [1, 7, 1]
     t = sum(query_lens)
-    q = torch.randn(t, 16, 64, generator=gen)
-    k, v = torch.randn(t, 8, 64, generator=gen), torch.randn(t, 8, 64, generator=gen)
+    q = torch.randn(t, 16, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(t, 8, head_dim, generator=gen).to(dtype) for _ in range(2))
     for attention in (cpu_paged.cpu_paged_attention, reference_attention):
-        gapped = layer_cache(shape, torch.float32, torch.device("cpu")).copy_(cache)
+        gapped = layer_cache(shape, dtype, torch.device("cpu")).copy_(cache)
         plain = cache.contiguous()
         want = attention(q, k, v, plain, AttentionMetadata.build(query_lens, seq_lens, tables, 16), scale=0.125)
         got = attention(q, k, v, gapped, AttentionMetadata.build(query_lens, seq_lens, tables, 16), scale=0.125)
         assert torch.equal(got, want), attention.__name__
         assert torch.equal(gapped, plain), attention.__name__  # the new rows landed in the same logical slots
+
+
+def test_manager_counts_the_gap_it_allocates():
+    """kv.bytes is the memory the layers' caches hold, their gaps included."""
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=4, head_dim=96, dtype=torch.float32,
+                       bytes_per_token=2 * 3 * 4 * 96 * 4, block_tokens=16, contiguous=False, max_model_len=4096)
+    kv = KVCacheManager(spec, 700, device=torch.device("cpu"), prefix_caching=False)  # 4.1 MiB planes
+    held = sum(c.untyped_storage().nbytes() for c in kv.kv_caches)
+    assert kv.bytes == held > spec.page_bytes * 700
+    assert spec.gap_bytes(700, "cuda") == 0 and spec.gap_bytes(10, "cpu") == 0  # no gap on CUDA, nor under 2 MiB
 
 
 def _request(rid: str, tokens: int) -> Request:
