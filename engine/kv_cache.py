@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool
-from engine.kv_spec import KVCacheSpec
+from engine.kv_spec import KVCacheSpec, cpu_plane_stride
 from engine.request import Request
 from kernels import cpu_paged
 
@@ -66,39 +66,23 @@ def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     indexes. Also on 2 MiB pages where the OS allows (fewer page walks: kernels/cpu_paged.zeros_on_huge_pages).
     Elsewhere (CUDA) token-major and contiguous, as the Triton kernels expect.
 
-    The V plane does not start right after the K plane but `plane_stride` elements after the K plane's
-    start (a gap of at most 3 MiB): a key's K and V rows, which a decode reads together, must not lie a
-    large power of two apart (the default pool of max_num_seqs x max_model_len tokens is 16,384 blocks
-    for 64 x 4096, a 512 MiB plane), where the memory system maps them onto the same resources: measured
+    The V plane does not start right after the K plane but `cpu_plane_stride` elements after the K plane's
+    start (engine/kv_spec.py; a gap under 2 MiB): a key's K and V rows, which a decode reads together, must not lie a
+    large power of two apart (the default pool, max_num_seqs x max_model_len tokens under the 4 GiB CPU cap,
+    gave the 166M model of docs/benchmarks.md 8,192 blocks, 256 MiB planes), where the memory system maps them onto the same resources: measured
     on a Zen 4 EPYC (32 decodes at context 400, 16 / 8 heads x 64, 1 thread), planes 256 or 512 MiB apart
     took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not enough). The
-    gap is memory the plan (engine/memory.py, blocks x bytes per block) does not count: <= 3 MiB a layer.
+    memory plan counts the gap (KVCacheSpec.gap_bytes).
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     two, num_blocks, block_size, num_kv_heads, head_dim = shape
     block = num_kv_heads * block_size * head_dim
-    plane = plane_stride(num_blocks * block, dtype.itemsize)
+    plane = cpu_plane_stride(num_blocks * block, dtype.itemsize)
     memory = cpu_paged.zeros_on_huge_pages(((two - 1) * plane + num_blocks * block,), dtype)
     strides = (plane, block, block_size * head_dim, head_dim, 1)
     return memory.as_strided((two, num_blocks, num_kv_heads, block_size, head_dim), strides).transpose(2, 3)
 
-
-_MiB = 1 << 20
-# Where the V plane starts, modulo 2 MiB (a huge page, whose offsets are the physical address's low bits):
-# 1 MiB + 4 KiB, so K and V rows differ in address bits 12 and 20 as well as above.
-_PLANE_PHASE = _MiB + 4096
-
-
-def plane_stride(plane_elems: int, itemsize: int) -> int:
-    """Elements from the K plane's start to the V plane's: the plane itself when under 2 MiB (no huge
-    pages, and no large power of two apart), else the first offset at or past its end that is
-    _PLANE_PHASE modulo 2 MiB."""
-    nbytes = plane_elems * itemsize
-    if nbytes < 2 * _MiB:
-        return plane_elems
-    offset = -(-(nbytes - _PLANE_PHASE) // (2 * _MiB)) * 2 * _MiB + _PLANE_PHASE
-    return offset // itemsize
 
 
 class KVCacheManager:
@@ -109,7 +93,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=prefix_caching)
         self.kv_caches = [layer_cache(spec.block_shape(num_blocks), spec.dtype, device) for _ in range(spec.num_layers)]
-        self.bytes = spec.page_bytes * num_blocks
+        self.bytes = spec.page_bytes * num_blocks + spec.gap_bytes(num_blocks, torch.device(device).type)
 
     @property
     def num_free_blocks(self) -> int:

@@ -220,7 +220,7 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
     if cache.num_blocks is not None:
         wanted = cache.num_blocks * block_tokens
     elif cache.memory_gb is not None:
-        wanted = int(cache.memory_gb * GIB) // page * block_tokens
+        wanted = _blocks_within(spec, int(cache.memory_gb * GIB), device) * block_tokens
         if wanted < block_tokens:
             raise InsufficientMemory(
                 f"cache.memory_gb={cache.memory_gb} holds no block of {block_tokens} tokens "
@@ -228,7 +228,7 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
     else:
         wanted = config.max_num_seqs * spec.blocks_for(cache.max_model_len) * block_tokens
         if device.type != "cuda":
-            wanted = min(wanted, int(CPU_KV_CAP_GB * GIB) // page * block_tokens)
+            wanted = min(wanted, _blocks_within(spec, int(CPU_KV_CAP_GB * GIB), device) * block_tokens)
     if available_bytes is None:
         available_bytes = _available(device)
     def plan_with(packed: int) -> MemoryPlan:
@@ -257,6 +257,18 @@ def plan_kv_cache(config, arch, spec: KVCacheSpec, device, measured_activation_b
         if with_packed is not None and with_packed.kv_tokens >= plan.kv_tokens:
             plan = with_packed
     return _blocks(plan, block_tokens)
+
+
+def _blocks_within(spec: KVCacheSpec, budget: int, device) -> int:
+    """The most blocks whose pool fits `budget` bytes, the CPU cache's gap between planes included
+    (KVCacheSpec.gap_bytes: under 2 MiB a layer)."""
+    blocks = budget // spec.page_bytes
+    while blocks > 0:
+        over = blocks * spec.page_bytes + spec.gap_bytes(blocks, device.type) - budget
+        if over <= 0:
+            break
+        blocks -= -(-over // spec.page_bytes)
+    return max(blocks, 0)
 
 
 def _blocks(plan: MemoryPlan, block_tokens: int) -> tuple[MemoryPlan, int]:

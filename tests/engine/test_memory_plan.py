@@ -49,6 +49,18 @@ def test_a_cache_size_ladle_chose_shrinks_to_what_is_left():
     assert roomy.kv_bytes <= 4 * GIB + 16 * roomy.kv_bytes_per_token and roomy_blocks > blocks  # CPU cap
 
 
+@pytest.mark.parametrize("elem", [4, 2])
+def test_the_cpu_cap_and_memory_gb_count_the_gap_between_planes(elem):
+    """The CPU cache's V plane sits up to 2 MiB past its K plane (engine/kv_spec.cpu_plane_stride): the 4 GiB
+    cap and cache.memory_gb hold the pool with those gaps, and lose no more blocks to them than the gaps' bound."""
+    for config, budget in ((_config(), 4 * GIB), (_config(memory_gb=1.5), int(1.5 * GIB))):
+        spec = KVCacheSpec.build(config.cache, _arch(), {4: torch.float32, 2: torch.bfloat16}[elem])
+        _plan, blocks = plan_for(config, elem, available_bytes=64 * GIB)
+        used = blocks * spec.page_bytes + spec.gap_bytes(blocks, "cpu")
+        assert spec.gap_bytes(blocks, "cpu") > 0 and used <= budget
+        assert blocks >= (budget - spec.num_layers * 2 * 2**20) // spec.page_bytes
+
+
 def test_not_even_one_full_length_sequence_fits():
     with pytest.raises(InsufficientMemory, match="cache.max_model_len"):
         plan_for(_config(), 4, available_bytes=int(15.5 * GIB))
