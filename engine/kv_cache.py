@@ -66,23 +66,23 @@ def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     indexes. Also on 2 MiB pages where the OS allows (fewer page walks: kernels/cpu_paged.zeros_on_huge_pages).
     Elsewhere (CUDA) token-major and contiguous, as the Triton kernels expect.
 
-    The V plane does not start right after the K plane but `cpu_plane_stride` elements after the K plane's
-    start (engine/kv_spec.py; a gap under 2 MiB): a key's K and V rows, which a decode reads together, must not lie a
-    large power of two apart (the default pool, max_num_seqs x max_model_len tokens under the 4 GiB CPU cap,
-    gave the 166M model of docs/benchmarks.md 8,192 blocks, 256 MiB planes), where the memory system maps them onto the same resources: measured
-    on a Zen 4 EPYC (32 decodes at context 400, 16 / 8 heads x 64, 1 thread), planes 256 or 512 MiB apart
-    took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not enough). The
-    memory plan counts the gap (KVCacheSpec.gap_bytes).
+    The V plane does not start right after the K plane but `cpu_plane_stride` elements after the K
+    plane's start (engine/kv_spec.py; a gap under 2 MiB, which the memory plan counts: KVCacheSpec.gap_bytes).
+    A key's K and V rows, which a decode reads together, must not lie a large power of two apart, where the
+    memory system maps them onto the same resources; default pools often are one (max_num_seqs x
+    max_model_len tokens under the 4 GiB CPU cap gave docs/benchmarks.md's 166M model 8,192 blocks, 256 MiB
+    planes). Measured on a Zen 4 EPYC (32 decodes at context 400, 16 / 8 heads x 64, 1 thread): planes 256
+    or 512 MiB apart took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not
+    enough); docs/benchmarks.md section 8f.
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     two, num_blocks, block_size, num_kv_heads, head_dim = shape
     block = num_kv_heads * block_size * head_dim
-    plane = cpu_plane_stride(num_blocks * block, dtype.itemsize)
-    memory = cpu_paged.zeros_on_huge_pages(((two - 1) * plane + num_blocks * block,), dtype)
-    strides = (plane, block, block_size * head_dim, head_dim, 1)
+    v_start = cpu_plane_stride(num_blocks * block, dtype.itemsize)
+    memory = cpu_paged.zeros_on_huge_pages(((two - 1) * v_start + num_blocks * block,), dtype)
+    strides = (v_start, block, block_size * head_dim, head_dim, 1)
     return memory.as_strided((two, num_blocks, num_kv_heads, block_size, head_dim), strides).transpose(2, 3)
-
 
 
 class KVCacheManager:
