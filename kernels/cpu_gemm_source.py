@@ -29,9 +29,9 @@ SOURCE = r"""
 // Two distances: into L2 far ahead (prefetcht1: the DRAM latency), into L1 near (prefetcht0: L2's).
 // Measured on a Zen 4 EPYC against one request into L1 8 KiB ahead from every row chunk (the whole
 // 166M model's weights from DRAM, 1 thread): 1.06x / 1.30x / 1.02x faster at 1 / 8 / 32 rows, the same at
-// 512 (2 threads: 1.01x / 1.06x / 1.035x / 1.00x). Into L1 only, the few-row stream holds the core's L1
-// miss slots; and from every chunk, the later chunks (whose slice is in L2 already) pay the
-// instructions at 512 rows (-1%).
+// 512 (2 threads: 1.01x / 1.06x / 1.035x / 1.00x). Into L1 only, the few-row stream likely holds the core's
+// L1 miss slots (no hardware counters on this VM to show it); from every chunk, the later chunks (whose
+// slice is in L2 already) pay the instructions at 512 rows (-1%).
 #ifndef LADLE_GEMM_PF_L2
 #define LADLE_GEMM_PF_L2 16384
 #endif

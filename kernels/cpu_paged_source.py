@@ -423,10 +423,10 @@ inline V load16<float>(const float* p, int n) { return n >= 16 ? vload(p) : vloa
 // then its V row.
 //
 // Where to: row-wise items (decodes) request into L2 (prefetcht1), blocked ones into L1 (prefetcht0).
-// A decode streams its K/V from DRAM and reads each line once; requests into L1 hold the core's few L1
-// miss slots until the lines arrive, so the loads of the arithmetic queue behind them. Measured on a
-// Zen 4 EPYC (1 thread, head-major cache, 16 / 8 heads x 64): 32 decodes at context 400 1.4-1.7x, 64 at
-// 700 1.5-1.8x faster into L2; prefetchnta no faster than L1. The blocked path reads each key from L1
+// A decode streams its K/V from DRAM and reads each line once; requests into L1 likely hold the core's
+// few L1 miss slots until the lines arrive, so the loads of the arithmetic queue behind them. Measured on
+// a Zen 4 EPYC (1 thread, head-major cache on scattered blocks, 16 / 8 heads x 64): 32 decodes at context
+// 400 1.4-1.7x, 64 at 700 1.5-1.8x faster into L2; prefetchnta no faster than L1. The blocked path reads each key from L1
 // many times and measured as fast or 1-5% faster into L1.
 struct Prefetcher {
   const char* k = nullptr;  // K plane + head offset, in bytes
