@@ -223,10 +223,14 @@ class Linear(nn.Linear):
             return self._packed.nbytes()
         return 0 if self._packed is None else self.weight.numel() * self.weight.element_size()
 
+    def current_pack(self) -> torch.Tensor | cpu_gemm.PackedWeight:
+        """The packed copy, repacked first when the weight (or the bias) changed since it was made."""
+        if self._packed is None or self._packed_for != _pack_state(self.weight, self.bias):
+            return self.pack()
+        return self._packed
+
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed
-        if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
-            packed = self.pack()
+        packed = self.current_pack()
         return packed_linear(x, packed, self.bias)
 
     def packed_gated_forward(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
@@ -234,9 +238,7 @@ class Linear(nn.Linear):
         kernels/cpu_fused.ACTIVATIONS): through kernels/cpu_gemm's gated form where this layer packed for
         it (the activation computed while the GEMM packs its rows, never written out), else the fused
         activation kernel, then the packed GEMM. The same bits either way (kernels/cpu_gemm.gemm)."""
-        packed = self._packed
-        if packed is None or self._packed_for != _pack_state(self.weight, self.bias):
-            packed = self.pack()
+        packed = self.current_pack()
         if isinstance(packed, cpu_gemm.PackedWeight) and act in cpu_gemm.GATED_ACTIVATIONS \
                 and cpu_gemm.gated_available():
             shape = gate_up.shape
