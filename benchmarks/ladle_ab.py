@@ -18,10 +18,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,22 +40,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, str], str | None]:
 
 def run_one(env_extra: dict[str, str], source: str | None, threads: int, mode: str, args, model_dir: Path,
             prompts_file: Path, work: Path) -> dict:
-    from runner import startup
-
-    out = work / f"ab-{time.monotonic_ns()}.json"
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    env.update(startup.plan(env, startup.find_malloc()).env)
-    env.update(env_extra)
+    """One ladle measurement as vs_vllm.py runs it (its CLI's start-up environment), with the variant's
+    switches, or its checkout first on PYTHONPATH."""
+    env = dict(env_extra)
     if source:
-        env["PYTHONPATH"] = source + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "vs_vllm.py"), "--worker", "ladle", "--model-dir",
-           str(model_dir), "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode, "--out",
-           str(out), "--budget", str(args.budget), "--max-num-seqs", "64", "--output-len", str(args.output_len)]
-    proc = subprocess.run(cmd, env=env, cwd=source or REPO, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+        env["PYTHONPATH"] = source + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return vs_vllm.run_worker(Path(sys.executable), "ladle", args, threads, mode, model_dir, prompts_file, work,
+                              extra_env=env, cwd=Path(source) if source else None)
 
 
 def main() -> None:
@@ -69,7 +58,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     vs_vllm.add_workload_args(p)
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
     args = p.parse_args()
+    args.no_startup = False  # the CLI's start-up environment, as vs_vllm.py's ladle worker gets by default
     import benchutil
 
     variants = [parse_variant(v) for v in args.variant]

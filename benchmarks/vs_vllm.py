@@ -157,7 +157,10 @@ def peer_python(arg: str | None) -> Path | None:
 
 
 def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
-               model_dir: Path, prompts_file: Path, work: Path) -> dict:
+               model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> dict:
+    """One measurement in a process of its own; extra_env last (benchmarks/ladle_ab.py's variants: another
+    checkout on PYTHONPATH, switches), run from cwd (default: this repository)."""
     out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
@@ -171,11 +174,12 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
         # vLLM-CPU binds its OpenMP threads to these cores; its KV cache gets a fixed 4 GiB.
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
                    VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
+    env.update(extra_env or {})
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", system, "--model-dir", str(model_dir),
            "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode, "--out", str(out),
            "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs),
            "--output-len", str(args.output_len)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
