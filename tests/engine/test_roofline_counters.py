@@ -1,0 +1,65 @@
+"""benchmarks/roofline.py counts each kernel call's work: its attention FLOP and byte counts must be the causal
+pairs and visible K/V a brute-force count gives, and its wrappers must see every call the engine makes (a
+model that stopped calling the kernels through their modules would leave the report silently empty)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from kernels import cpu_fused, cpu_gemm, cpu_paged
+from tests.engine.helpers import make_engine, random_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+roofline = pytest.importorskip("roofline")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_attention_work_is_the_causal_pairs_and_the_one_row_queries_bytes():
+    heads, kv_heads, dim = 4, 2, 8
+    q_lens, contexts = [5, 1, 3, 1], [0, 9, 7, 30]  # a first chunk, a decode, a later chunk, a decode
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    meta = SimpleNamespace(query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    q = torch.zeros(starts[-1], heads, dim)
+    k = torch.zeros(starts[-1], kv_heads, dim)
+    cache = torch.zeros(2, 4, 16, kv_heads, dim, dtype=torch.bfloat16)
+    kind, flops, kv_bytes = roofline.attention_work(q, k, cache, meta)
+    pairs = sum(pos + 1 for c, n in [(0, 5), (7, 3)] for pos in range(c, c + n))  # each query sees keys 0..itself
+    assert kind == "calls with prefill rows"
+    assert flops == 4 * pairs * heads * dim
+    assert kv_bytes == (10 + 31) * kv_heads * dim * 2 * 2  # K and V, bf16
+    decode_meta = SimpleNamespace(query_start_loc_cpu=[0, 1, 2], seq_lens_cpu=[10, 31])
+    assert roofline.attention_work(q[:2], k[:2], cache, decode_meta)[:2] == ("calls of one-row queries only", 0.0)
+
+
+def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
+    if not (cpu_gemm.available() and cpu_paged.load_library() is not None):
+        pytest.skip("the CPU GEMM or attention kernel is not built here")
+    for module, name in [(cpu_gemm, "gemm"), (cpu_paged, "cpu_paged_attention"), (cpu_fused, "add_rms_norm"),
+                         (cpu_fused, "qk_norm_rope"), (cpu_fused, "gated_activation")]:
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
+    counters = roofline.Counters()
+    roofline.install(counters)
+    outs = eng.generate([random_prompt(n, seed=n) for n in (5, 23, 40)],
+                        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [3, 3, 3]
+    layers = eng.model.arch.num_layers
+    attention_calls = sum(c[0] for c in counters.attn.values())
+    assert attention_calls > 0 and attention_calls % layers == 0  # every layer of every forward
+    by_shape = [v for key, v in counters.gemm.items() if not key.startswith("rows")]
+    by_rows = [v for key, v in counters.gemm.items() if key.startswith("rows")]
+    assert by_shape and by_rows
+    # Each call is counted once by its shape and once by its row count: the two views agree.
+    assert sum(v[0] for v in by_shape) == sum(v[0] for v in by_rows) > 0
+    assert sum(v[2] for v in by_shape) == sum(v[2] for v in by_rows) > 0
+    assert counters.fused["add_rms_norm"][0] > 0
