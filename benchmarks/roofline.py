@@ -1,25 +1,28 @@
 """The vs_vllm workload at one thread, part by part, against this core's limits.
 
 Runs benchmarks/vs_vllm.py's ladle workload (random Qwen3 166M, 32 prompts / ~12,000 prompt tokens x 32
-greedy tokens, step budget 512, fp32, eager, 1 thread) in a worker process under the CLI's start-up
-environment (runner/startup.py), every ctypes kernel call timed on the thread's CPU clock and its work
-counted:
+greedy tokens, step budget 512, fp32, eager) at `--threads N` (default 1) in a worker process under the
+CLI's start-up environment (runner/startup.py), every ctypes kernel call timed (the thread's CPU clock at 1
+thread, wall time at more: each call is one parallel region) and its work counted:
 
-- linear layers (kernels/cpu_gemm.gemm): 2 x rows x N x K FLOPs, by weight shape and by row count;
+- linear layers (kernels/cpu_gemm.gemm): 2 x rows x N x K FLOPs and the weight's N x K x 4 bytes (each call
+  streams it), by weight shape and by row count;
 - attention (kernels/cpu_paged): the prefill chunks' query-key pairs (causal) x 4 x head_dim x heads FLOPs, and
   the one-row queries' (decodes') visible K/V bytes; calls with prefill rows and calls of one-row queries only
   apart (the last layer keeps one row per sequence: its calls are all one-row queries, reading the whole
   context's K/V);
 - the fused elementwise kernels (kernels/cpu_fused);
-- the rest: the timed generate's CPU time less all of these (Python, scheduling, sampling, torch ops).
+- the rest: the timed generate's time less all of these (Python, scheduling, sampling, torch ops).
 
-Each part's floor is its work at this core's limits, measured in the same worker before the run: the FMA
-peak by a register-only loop of independent fused multiply-adds (built like the kernels), the DRAM read
-bandwidth by a torch.sum over 256 MB. A part's floor is a bound, not a target: attention's softmax and the
+Each part's floor is its work at these cores' limits (a linear call's: the larger of its FLOPs at the peak
+and its weight's bytes at the bandwidth; an attention call's: its FLOPs at the peak plus its K/V bytes at the
+bandwidth, the two being separate work items), measured in the same worker before the run: the FMA
+peak by a register-only loop of independent fused multiply-adds (built like the kernels; N threads run it at
+once), the DRAM read bandwidth by a torch.sum over 256 MB at N threads. A part's floor is a bound, not a target: attention's softmax and the
 gated activation's exp are work the FLOP count leaves out. `--peer-seconds S` adds what a 1.2x lead over a
 peer's S seconds would need.
 
-    .venv/bin/python benchmarks/roofline.py [--peer-seconds 28.6]
+    .venv/bin/python benchmarks/roofline.py [--threads 1] [--peer-seconds 28.6]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -87,8 +91,9 @@ extern "C" float ladle_fma_loop(int64_t iters) {
 """
 
 
-def fma_peak_gflops(repeats: int = 5) -> float:
-    """This core's fp32 FMA peak (GFLOP/s, thread CPU clock), or 0.0 where the loop has no FMA unit to use."""
+def fma_peak_gflops(threads: int = 1, repeats: int = 5) -> float:
+    """The fp32 FMA peak of `threads` cores together (GFLOP/s: at 1 the thread's CPU clock, else wall time, the
+    loop run by that many threads at once: ctypes releases the GIL), or 0.0 where there is no FMA unit to use."""
     from kernels.cpu_build import ARCH_FLAGS, compile_cached
 
     path, _ = compile_cached(FMA_SOURCE, "libladle_fma_peak", list(ARCH_FLAGS[0]))
@@ -100,25 +105,32 @@ def fma_peak_gflops(repeats: int = 5) -> float:
     if per_iter == 0:
         return 0.0
     iters = 20_000_000
+    clock = time.thread_time if threads == 1 else time.perf_counter
     best = float("inf")
     for _ in range(repeats):
-        t = time.thread_time()
+        workers = [threading.Thread(target=lib.ladle_fma_loop, args=(iters,)) for _ in range(threads - 1)]
+        t = clock()
+        for w in workers:
+            w.start()
         lib.ladle_fma_loop(iters)
-        best = min(best, time.thread_time() - t)
-    return per_iter * iters / best / 1e9
+        for w in workers:
+            w.join()
+        best = min(best, clock() - t)
+    return threads * per_iter * iters / best / 1e9
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """One thread's DRAM read bandwidth (GB/s): a torch.sum over 256 MB, best of `repeats`."""
+    """DRAM read bandwidth at torch's thread count (GB/s): a torch.sum over 256 MB, best of `repeats`."""
     import torch
 
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     x = torch.ones(64 * 2**20)
     x.sum()
     best = float("inf")
     for _ in range(repeats):
-        t = time.thread_time()
+        t = clock()
         x.sum()
-        best = min(best, time.thread_time() - t)
+        best = min(best, clock() - t)
     return x.numel() * 4 / best / 1e9
 
 
@@ -129,8 +141,10 @@ def row_bucket(m: int) -> str:
 class Counters:
     """CPU seconds and work of the wrapped kernels' calls."""
 
-    def __init__(self) -> None:
-        self.gemm: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # key -> calls, s, FLOPs
+    def __init__(self, clock=time.thread_time, peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0) -> None:
+        self.clock = clock  # the thread's CPU time at 1 thread; wall time at more
+        self.peak, self.bandwidth = peak_gflops * 1e9, bandwidth_gbs * 1e9  # per second; 0: no floors
+        self.gemm: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # calls, s, FLOPs, floor s
         self.attn: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # kind -> calls, s, FLOPs, B
         self.fused: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
 
@@ -163,24 +177,27 @@ def install(counters: Counters) -> None:
     gemm = cpu_gemm.gemm
 
     def timed_gemm(x, packed, act=None):
-        t = time.thread_time()
+        t = counters.clock()
         out = gemm(x, packed, act)
-        dt = time.thread_time() - t
+        dt = counters.clock() - t
         m, n, k = x.shape[0], packed.out_features, packed.in_features
+        flops = 2.0 * m * n * k
+        floor = max(flops / counters.peak, n * k * 4 / counters.bandwidth) if counters.peak else 0.0
         for key in (f"{n} x {k}{' (gated)' if act else ''}", f"rows {row_bucket(m)}"):
             c = counters.gemm[key]
             c[0] += 1
             c[1] += dt
-            c[2] += 2.0 * m * n * k
+            c[2] += flops
+            c[3] += floor
         return out
 
     cpu_gemm.gemm = timed_gemm
     attention = cpu_paged.cpu_paged_attention
 
     def timed_attention(q, k, v, kv_cache, meta, **kwargs):
-        t = time.thread_time()
+        t = counters.clock()
         out = attention(q, k, v, kv_cache, meta, **kwargs)
-        dt = time.thread_time() - t
+        dt = counters.clock() - t
         kind, flops, kv_bytes = attention_work(q, k, kv_cache, meta)
         c = counters.attn[kind]
         c[0] += 1
@@ -194,11 +211,11 @@ def install(counters: Counters) -> None:
         fn = getattr(cpu_fused, name)
 
         def timed(*args, _fn=fn, _name=name, **kwargs):
-            t = time.thread_time()
+            t = counters.clock()
             out = _fn(*args, **kwargs)
             c = counters.fused[_name]
             c[0] += 1
-            c[1] += time.thread_time() - t
+            c[1] += counters.clock() - t
             return out
 
         setattr(cpu_fused, name, timed)
@@ -207,11 +224,12 @@ def install(counters: Counters) -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 
-    peak, bandwidth = fma_peak_gflops(), read_bandwidth_gbs()
-    counters = Counters()
+    peak, bandwidth = fma_peak_gflops(args.threads), read_bandwidth_gbs()
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    counters = Counters(clock, peak, bandwidth)
     install(counters)
     prompts = vs_vllm.make_prompts(args.num_prompts, args.prompt_tokens, 0, vs_vllm.ARCH["vocab_size"])
     eng = LLMEngine(EngineConfig(
@@ -224,11 +242,12 @@ def worker(args: argparse.Namespace) -> None:
                  SamplingParams(max_tokens=vs_vllm.WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
     counters.clear()
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    w0, c0 = time.perf_counter(), time.thread_time()
+    w0, c0 = time.perf_counter(), clock()
     eng.generate(prompts, sp)
-    cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+    seconds, wall = clock() - c0, time.perf_counter() - w0
     Path(args.out).write_text(json.dumps({
-        "peak_gflops": peak, "bandwidth_gbs": bandwidth, "cpu_seconds": cpu, "wall_seconds": wall,
+        "threads": args.threads, "peak_gflops": peak, "bandwidth_gbs": bandwidth, "seconds": seconds,
+        "wall_seconds": wall,
         "gemm": dict(counters.gemm), "attention": dict(counters.attn), "fused": dict(counters.fused),
     }))
 
@@ -237,11 +256,11 @@ def run_worker(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
     from runner import startup
 
     out = work / "roofline.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.update(startup.plan(env, startup.find_malloc()).env)  # what ladle's CLI sets before torch loads
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir), "--out",
            str(out), "--num-prompts", str(args.num_prompts), "--prompt-tokens", str(args.prompt_tokens),
-           "--output-len", str(args.output_len), "--budget", str(args.budget)]
+           "--output-len", str(args.output_len), "--budget", str(args.budget), "--threads", str(args.threads)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"roofline worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -259,18 +278,17 @@ def table(r: dict, peer_seconds: float | None) -> str:
 
     gemm = r["gemm"]
     for key in sorted(k for k in gemm if not k.startswith("rows")):
-        calls, s, flops = gemm[key]
-        line(f"linear {key}", calls, f"{flops / 1e9:.0f} GFLOP", s, f"{flops / s / 1e9:.1f} GFLOP/s", flops / peak / 1e9)
+        calls, s, flops, floor = gemm[key]
+        line(f"linear {key}", calls, f"{flops / 1e9:.0f} GFLOP", s, f"{flops / s / 1e9:.1f} GFLOP/s", floor)
     for key in ("rows 1-8", "rows 9-32", "rows 33-128", "rows 129+"):
         if key in gemm:
-            calls, s, flops = gemm[key]
-            line(f"linear, {key}", calls, f"{flops / 1e9:.0f} GFLOP", s, f"{flops / s / 1e9:.1f} GFLOP/s",
-                 flops / peak / 1e9)
-    g_s = sum(v[1] for k, v in gemm.items() if k.startswith("rows"))
-    g_f = sum(v[2] for k, v in gemm.items() if k.startswith("rows"))
-    line("**linear, all**", sum(v[0] for k, v in gemm.items() if k.startswith("rows")), f"{g_f / 1e9:.0f} GFLOP",
-         g_s, f"{g_f / g_s / 1e9:.1f} GFLOP/s", g_f / peak / 1e9)
-    total_floor += g_f / peak / 1e9
+            calls, s, flops, floor = gemm[key]
+            line(f"linear, {key}", calls, f"{flops / 1e9:.0f} GFLOP", s, f"{flops / s / 1e9:.1f} GFLOP/s", floor)
+    by_rows = [v for k, v in gemm.items() if k.startswith("rows")]
+    g_s, g_f, g_floor = (sum(v[i] for v in by_rows) for i in (1, 2, 3))
+    line("**linear, all**", sum(v[0] for v in by_rows), f"{g_f / 1e9:.0f} GFLOP", g_s,
+         f"{g_f / g_s / 1e9:.1f} GFLOP/s", g_floor)
+    total_floor += g_floor
     parts += g_s
     a_s = 0.0
     for kind in ("calls with prefill rows", "calls of one-row queries only"):
@@ -288,25 +306,31 @@ def table(r: dict, peer_seconds: float | None) -> str:
     for name, (calls, s) in sorted(r["fused"].items()):
         line(f"fused {name}", calls, "", s, "", None)
         parts += s
-    line("rest (Python, scheduling, sampling, torch ops)", "", "", r["cpu_seconds"] - parts, "", None)
-    line("**the timed generate**", "", "", r["cpu_seconds"], "", total_floor)
-    head = (f"FMA peak {peak:.1f} GFLOP/s, DRAM read {bw:.1f} GB/s (1 thread); generate {r['cpu_seconds']:.2f} s CPU, "
-            f"{r['wall_seconds']:.2f} s wall. Floors: linear and prefill FLOPs at the peak, decode K/V bytes at "
-            "the bandwidth; the total's floor leaves out what has none here (elementwise, the rest).\n\n"
-            "| part | calls | work | CPU s | rate | floor s | over the floor s |\n|---|---|---|---|---|---|---|\n")
+    total = r["seconds"]
+    line("rest (Python, scheduling, sampling, torch ops)", "", "", total - parts, "", None)
+    line("**the timed generate**", "", "", total, "", total_floor)
+    n = r["threads"]
+    clock = "CPU s" if n == 1 else "wall s"
+    head = (f"{n} thread{'s' if n > 1 else ''}: FMA peak {peak:.1f} GFLOP/s, DRAM read {bw:.1f} GB/s; generate "
+            + (f"{total:.2f} CPU s, {r['wall_seconds']:.2f} wall s" if n == 1 else f"{total:.2f} wall s")
+            + ". Floors: linear FLOPs at the peak or the weight's bytes at the bandwidth, whichever is longer; "
+            "prefill FLOPs at the peak plus decode K/V bytes at the bandwidth; the total's floor leaves out what "
+            f"has none here (elementwise, the rest).\n\n| part | calls | work | {clock} | rate | floor s | over the floor s |\n"
+            "|---|---|---|---|---|---|---|\n")
     text = head + "\n".join(rows) + "\n"
     if peer_seconds:
         need = peer_seconds / TARGET
-        gap = r["cpu_seconds"] - need
+        gap = total - need
         text += (f"\n{TARGET}x over the peer's {peer_seconds:.2f} s needs {need:.2f} s: "
-                 + (f"{gap:.2f} s less, {gap / max(r['cpu_seconds'] - total_floor, 1e-9):.0%} of this run's "
-                    f"{r['cpu_seconds'] - total_floor:.2f} s over the floors."
+                 + (f"{gap:.2f} s less, {gap / max(total - total_floor, 1e-9):.0%} of this run's "
+                    f"{total - total_floor:.2f} s over the floors."
                     if gap > 0 else "this run is already there.") + "\n")
     return text
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--peer-seconds", type=float, default=None, help="a peer's time on the same workload")
     vs_vllm.add_workload_args(p)
     p.add_argument("--budget", type=int, default=512)

@@ -48,7 +48,7 @@ def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
                          (cpu_fused, "qk_norm_rope"), (cpu_fused, "gated_activation")]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
-    counters = roofline.Counters()
+    counters = roofline.Counters(peak_gflops=100.0, bandwidth_gbs=20.0)
     roofline.install(counters)
     outs = eng.generate([random_prompt(n, seed=n) for n in (5, 23, 40)],
                         SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -62,4 +62,9 @@ def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
     # Each call is counted once by its shape and once by its row count: the two views agree.
     assert sum(v[0] for v in by_shape) == sum(v[0] for v in by_rows) > 0
     assert sum(v[2] for v in by_shape) == sum(v[2] for v in by_rows) > 0
+    assert sum(v[3] for v in by_shape) == pytest.approx(sum(v[3] for v in by_rows))
+    # A call's floor is the longer of its FLOPs at the peak and its weight's bytes at the bandwidth: the tiny
+    # model's few-row calls are bound by the weight's bytes, so the floors add up to more than the FLOPs' time.
+    flops_time = sum(v[2] for v in by_rows) / 100e9
+    assert sum(v[3] for v in by_rows) > flops_time
     assert counters.fused["add_rms_norm"][0] > 0
