@@ -53,6 +53,8 @@ def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
     outs = eng.generate([random_prompt(n, seed=n) for n in (5, 23, 40)],
                         SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outs] == [3, 3, 3]
+    # Every linear layer ran through kernels/cpu_gemm, so the GEMM counters saw all of the linear work.
+    assert roofline.outside_cpu_gemm(eng.model) == []
     layers = eng.model.arch.num_layers
     attention_calls = sum(c[0] for c in counters.attn.values())
     assert attention_calls > 0 and attention_calls % layers == 0  # every layer of every forward
@@ -68,3 +70,43 @@ def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
     flops_time = sum(v[2] for v in by_rows) / 100e9
     assert sum(v[3] for v in by_rows) > flops_time
     assert counters.fused["add_rms_norm"][0] > 0
+
+
+def test_a_layer_outside_cpu_gemm_is_named_and_a_zero_row_call_has_no_floor(tiny_hf_model_dir, monkeypatch):
+    if not cpu_gemm.available():
+        pytest.skip("the CPU GEMM kernel is not built here")
+    monkeypatch.setattr(cpu_gemm, "gemm", cpu_gemm.gemm)  # restored after the test
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
+    eng.generate([random_prompt(7, seed=1)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    from models.linear import Linear
+
+    name, layer = next((n, m) for n, m in eng.model.named_modules() if isinstance(m, Linear))
+    packed = layer._packed
+    monkeypatch.setattr(layer, "_packed", layer.weight.detach().clone())  # as a oneDNN-packed layer holds
+    assert roofline.outside_cpu_gemm(eng.model) == [name]
+    counters = roofline.Counters(peak_gflops=100.0, bandwidth_gbs=20.0)
+    roofline.install(counters)
+    out = cpu_gemm.gemm(torch.zeros(0, packed.in_features), packed)  # the kernel returns before reading
+    assert out.shape == (0, packed.out_features)
+    calls, _, flops, floor = counters.gemm["rows 1-8"]
+    assert (calls, flops, floor) == (1, 0.0, 0.0)
+
+
+def _result(**over) -> dict:
+    r = {"threads": 1, "peak_gflops": 100.0, "peak_one_gflops": 100.0, "bandwidth_gbs": 20.0, "seconds": 2.0,
+         "wall_seconds": 2.0, "outside_cpu_gemm": [], "gemm": {}, "attention": {}, "fused": {}}
+    r.update(over)
+    return r
+
+
+def test_the_report_survives_missing_parts_and_says_what_it_could_not_count():
+    text = roofline.table(_result(peak_gflops=0.0, outside_cpu_gemm=["model.layers.0.mlp.down_proj"]), 3.0)
+    assert "no floors" in text and "model.layers.0.mlp.down_proj" in text
+    # The peer line compares wall with wall: 1.2x over 3.0 s needs 2.5 s, this run's wall is 2.0 s.
+    assert "already there" in text
+    text = roofline.table(_result(gemm={"64 x 64": [3, 1.0, 2e9, 0.02], "rows 1-8": [3, 1.0, 2e9, 0.02]},
+                                  seconds=1.5, wall_seconds=3.6), 3.0)
+    assert "2.0 GFLOP/s" in text and "1.10 s less than this run's 3.60 s wall" in text
+    assert "| **the timed generate** |  |  | 1.50 |  | 0.02 | 1.48 |" in text
+    two = roofline.table(_result(threads=2, peak_gflops=105.0, peak_one_gflops=100.0), None)
+    assert "1.05x one thread's" in two
