@@ -41,12 +41,19 @@ def test_attention_work_is_the_causal_pairs_and_the_one_row_queries_bytes():
     assert roofline.attention_work(q[:2], k[:2], cache, decode_meta)[:2] == ("calls of one-row queries only", 0.0)
 
 
-def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
-    if not (cpu_gemm.available() and cpu_paged.load_library() is not None):
-        pytest.skip("the CPU GEMM or attention kernel is not built here")
+@pytest.fixture
+def kernels_restored(monkeypatch):
+    """roofline.install replaces module attributes for good: put every one back after the test (a wrapper left
+    behind would run inside the compiled models of later tests, where its timer calls cannot be traced)."""
     for module, name in [(cpu_gemm, "gemm"), (cpu_paged, "cpu_paged_attention"), (cpu_fused, "add_rms_norm"),
                          (cpu_fused, "qk_norm_rope"), (cpu_fused, "gated_activation")]:
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+        monkeypatch.setattr(module, name, getattr(module, name))
+    yield  # monkeypatch undoes the setattrs after the test
+
+
+def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, kernels_restored):
+    if not (cpu_gemm.available() and cpu_paged.load_library() is not None):
+        pytest.skip("the CPU GEMM or attention kernel is not built here")
     eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
     counters = roofline.Counters(peak_gflops=100.0, bandwidth_gbs=20.0)
     roofline.install(counters)
@@ -72,10 +79,10 @@ def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, monkeypatch):
     assert counters.fused["add_rms_norm"][0] > 0
 
 
-def test_a_layer_outside_cpu_gemm_is_named_and_a_zero_row_call_has_no_floor(tiny_hf_model_dir, monkeypatch):
+def test_a_layer_outside_cpu_gemm_is_named_and_a_zero_row_call_has_no_floor(tiny_hf_model_dir, monkeypatch,
+                                                                              kernels_restored):
     if not cpu_gemm.available():
         pytest.skip("the CPU GEMM kernel is not built here")
-    monkeypatch.setattr(cpu_gemm, "gemm", cpu_gemm.gemm)  # restored after the test
     eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
     eng.generate([random_prompt(7, seed=1)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     from models.linear import Linear
@@ -110,3 +117,4 @@ def test_the_report_survives_missing_parts_and_says_what_it_could_not_count():
     assert "| **the timed generate** |  |  | 1.50 |  | 0.02 | 1.48 |" in text
     two = roofline.table(_result(threads=2, peak_gflops=105.0, peak_one_gflops=100.0), None)
     assert "1.05x one thread's" in two
+
