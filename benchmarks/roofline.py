@@ -185,6 +185,22 @@ def attention_work(q, k, kv_cache, meta) -> tuple[str, float, float]:
     return ("calls with prefill rows" if flops else "calls of one-row queries only"), flops, kv_bytes
 
 
+FUSED_KERNELS = ("add_rms_norm", "qk_norm_rope", "gated_activation")
+
+
+def wrapped_attributes() -> list[tuple[object, str]]:
+    """(module, attribute) of every function `install` replaces: what a caller must put back afterwards."""
+    from kernels import cpu_fused, cpu_gemm, cpu_paged
+
+    return [(cpu_gemm, "gemm"), (cpu_paged, "cpu_paged_attention"), *((cpu_fused, n) for n in FUSED_KERNELS)]
+
+
+def accumulate(entry: list[float], *amounts: float) -> None:
+    """Add amounts to a counter entry's fields in order (calls, seconds, then the part's own measures)."""
+    for i, amount in enumerate(amounts):
+        entry[i] += amount
+
+
 def install(counters: Counters) -> None:
     """Wrap the ctypes kernels (module attributes: the models call them through their modules)."""
     from kernels import cpu_fused, cpu_gemm, cpu_paged
@@ -200,11 +216,7 @@ def install(counters: Counters) -> None:
         # No rows: the kernel returns before reading the weight.
         floor = max(flops / counters.peak, packed.nbytes() / counters.bandwidth) if counters.peak and m else 0.0
         for key in (f"{n} x {k}{' (gated)' if act else ''}", f"rows {row_bucket(m)}"):
-            c = counters.gemm[key]
-            c[0] += 1
-            c[1] += dt
-            c[2] += flops
-            c[3] += floor
+            accumulate(counters.gemm[key], 1, dt, flops, floor)
         return out
 
     cpu_gemm.gemm = timed_gemm
@@ -215,23 +227,17 @@ def install(counters: Counters) -> None:
         out = attention(q, k, v, kv_cache, meta, **kwargs)
         dt = counters.clock() - t
         kind, flops, kv_bytes = attention_work(q, k, kv_cache, meta)
-        c = counters.attn[kind]
-        c[0] += 1
-        c[1] += dt
-        c[2] += flops
-        c[3] += kv_bytes
+        accumulate(counters.attn[kind], 1, dt, flops, kv_bytes)
         return out
 
     cpu_paged.cpu_paged_attention = timed_attention
-    for name in ("add_rms_norm", "qk_norm_rope", "gated_activation"):
+    for name in FUSED_KERNELS:
         fn = getattr(cpu_fused, name)
 
         def timed(*args, _fn=fn, _name=name, **kwargs):
             t = counters.clock()
             out = _fn(*args, **kwargs)
-            c = counters.fused[_name]
-            c[0] += 1
-            c[1] += counters.clock() - t
+            accumulate(counters.fused[_name], 1, counters.clock() - t)
             return out
 
         setattr(cpu_fused, name, timed)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from kernels import cpu_fused, cpu_gemm, cpu_paged
+from kernels import cpu_gemm, cpu_paged
 from tests.engine.helpers import make_engine, random_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -45,8 +45,7 @@ def test_attention_work_is_the_causal_pairs_and_the_one_row_queries_bytes():
 def kernels_restored(monkeypatch):
     """roofline.install replaces module attributes for good: put every one back after the test (a wrapper left
     behind would run inside the compiled models of later tests, where its timer calls cannot be traced)."""
-    for module, name in [(cpu_gemm, "gemm"), (cpu_paged, "cpu_paged_attention"), (cpu_fused, "add_rms_norm"),
-                         (cpu_fused, "qk_norm_rope"), (cpu_fused, "gated_activation")]:
+    for module, name in roofline.wrapped_attributes():
         monkeypatch.setattr(module, name, getattr(module, name))
     yield  # monkeypatch undoes the setattrs after the test
 
