@@ -5,7 +5,9 @@ Runs benchmarks/vs_vllm.py's ladle workload (random Qwen3 166M, 32 prompts / ~12
 measurement, and reports each op's self time in seconds. The C++ attention kernel is called through
 ctypes, which the profiler cannot see: it is wrapped in a record_function named
 `ladle::cpu_paged_attention` (and the fused CPU kernels `ladle::add_rms_norm`, `ladle::gated_activation`,
-`ladle::qk_norm_rope`, and the linear layers' `ladle::cpu_gemm`, where the checkout has them). Since the
+`ladle::qk_norm_rope`, and the linear layers' `ladle::cpu_gemm`, where the checkout has them; the CPU layer
+stack, which runs every layer but the last from C++, is one `ladle::cpu_layer_stack`: `LADLE_CPU_STACK=0` in
+the environment shows its kernels one by one, as the layers then run op by op). Since the
 gated form (kernels/cpu_gemm), a gated MLP's activation runs inside its down projection's `ladle::cpu_gemm`
 (`LADLE_GEMM_GATED=0` in the environment: the separate `ladle::gated_activation` again). "other" is the
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
@@ -61,6 +63,11 @@ def _wrap_untraced_kernels() -> None:
         return
     for name in ("add_rms_norm", "gated_activation", "qk_norm_rope"):
         named(cpu_fused, name, f"ladle::{name}")
+    try:
+        from kernels import cpu_layers
+    except ImportError:  # a checkout from before the layer stack
+        return
+    named(cpu_layers, "run", "ladle::cpu_layer_stack")
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -15,6 +15,10 @@ thread, wall time at more: each call is one parallel region) and its work counte
 - the fused elementwise kernels (kernels/cpu_fused);
 - the rest: the timed generate's time less all of these (Python, scheduling, sampling, torch ops).
 
+The layers run op by op (the CPU layer stack, models/cpu_stack.py, switched off: it calls the kernels from
+C++, where no Python timer sees them), so the rest includes the Python between a layer's kernels that the
+stack removes.
+
 Each part's floor is its work at these cores' limits (a linear call's: the larger of its FLOPs at the peak
 and its weight's bytes at the bandwidth; an attention call's: its FLOPs at the peak plus its K/V bytes at the
 bandwidth, the two being separate work items run one after the other by a thread; a decode's own FLOPs are
@@ -202,8 +206,12 @@ def accumulate(entry: list[float], *amounts: float) -> None:
 
 
 def install(counters: Counters) -> None:
-    """Wrap the ctypes kernels (module attributes: the models call them through their modules)."""
-    from kernels import cpu_fused, cpu_gemm, cpu_paged
+    """Wrap the ctypes kernels (module attributes: the models call them through their modules). The CPU
+    layer stack (models/cpu_stack.py) calls them from C++, where no wrapper sees them: it is switched off,
+    so the layers run op by op (the same kernels and bits, with the Python between them)."""
+    from kernels import cpu_fused, cpu_gemm, cpu_layers, cpu_paged
+
+    cpu_layers.set_enabled(False)
 
     gemm = cpu_gemm.gemm
 

@@ -171,6 +171,37 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
+def call_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> _Args:
+    """The kernel's arguments for one layer's call: q [T, H, D] (unit last stride) into out [T, H, D]
+    float32, over kv_cache; k_new / v_new set where k and v go into the cache as they are (else None:
+    the caller writes them, converted). kernels/cpu_layers passes the same struct for a stack of layers."""
+    forward = meta.cache.get("cpu_paged")
+    if forward is None:
+        forward = meta.cache["cpu_paged"] = _ForwardArgs(meta)
+    a = forward.layer(q, kv_cache, scale, sliding_window, softcap)
+    a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+    a.out = out.data_ptr()
+    a.k_cache = base = kv_cache.data_ptr()
+    a.v_cache = base + kv_cache.stride(0) * kv_cache.element_size()
+    # Any block layout (engine/kv_cache.py: head-major on the CPU); the kernel takes the strides.
+    _, a.kv_stride_block, a.kv_stride_token, a.kv_stride_head, _ = kv_cache.stride()
+    if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
+        a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
+    return a
+
+
 def cpu_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -186,23 +217,11 @@ def cpu_paged_attention(
     lib = load_library()
     if lib is None:
         raise RuntimeError("the CPU paged attention kernel is not available (see kernels.cpu_build.build_error())")
-    forward = meta.cache.get("cpu_paged")
-    if forward is None:
-        forward = meta.cache["cpu_paged"] = _ForwardArgs(meta)
-    a = forward.layer(q, kv_cache, scale, sliding_window, softcap)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
     out = torch.empty(q.shape, dtype=torch.float32)
-    a.out = out.data_ptr()
-    a.k_cache = base = kv_cache.data_ptr()
-    a.v_cache = base + kv_cache.stride(0) * kv_cache.element_size()
-    # Any block layout (engine/kv_cache.py: head-major on the CPU); the kernel takes the strides.
-    _, a.kv_stride_block, a.kv_stride_token, a.kv_stride_head, _ = kv_cache.stride()
-    if k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
-        a.k_new, a.k_stride_t, a.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
-        a.v_new, a.v_stride_t, a.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
-    else:  # a dtype conversion on the way into the cache: torch's rounding, as the reference does
+    a = call_args(q, k, v, kv_cache, meta, out, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    if a.k_new is None:  # a dtype conversion on the way into the cache: torch's rounding, as the reference does
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     code = lib.ladle_paged_attention(ctypes.addressof(a))
     if code != 0:

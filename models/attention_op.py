@@ -47,6 +47,14 @@ def attention_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) ->
         _local.current = previous
 
 
+def forward_context() -> _ForwardContext:
+    """The metadata and caches of the forward running in this thread (what the compiled forward's ops read)."""
+    context = _local.current
+    if context is None:
+        raise RuntimeError("a ladle op that reads the forward context ran outside attention_context(meta, kv_caches)")
+    return context
+
+
 @torch.library.custom_op("ladle::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int, softcap: float,
@@ -56,9 +64,7 @@ def attention_op(
     softcap == 0 means none (custom op schemas take no Optional scalars the compiler keeps constant).
     k_all/v_all (the last layer, where q/k/v are the rows of meta.outputs only): every row's keys and
     values, written to the cache first; the kept rows then attend with meta.outputs.meta."""
-    context = _local.current
-    if context is None:
-        raise RuntimeError("ladle::attention called outside attention_context(meta, kv_caches)")
+    context = forward_context()
     meta = context.meta
     if k_all is not None and v_all is not None:
         if meta.outputs is None:

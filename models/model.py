@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AttentionMetadata, cpu_fused
+from kernels import AttentionMetadata, cpu_fused, cpu_layers
+from models import cpu_stack
 from models.attention_op import attention_context
 from models.config import ModelArch
 from models.gemma3 import Gemma3DecoderLayer
@@ -61,6 +62,7 @@ class CausalLM(nn.Module):
             else None
         )
         self._compiled = None  # the torch.compile'd _forward once enable_compile() ran
+        self._stack_key: torch.Tensor | None = None  # the compiled forward's ladle::decoder_stack key
         self.deterministic = False  # set_deterministic
 
     def tie_weights(self) -> None:
@@ -107,6 +109,10 @@ class CausalLM(nn.Module):
         param = next(self.parameters())
         if param.device.type == "cpu" and param.dtype == torch.float32:
             cpu_fused.enabled()  # decided (and the library built) now: the traced forward reads a constant
+        # The layers before the last as one op (models/cpu_stack.py) where they can be, decided now (the trace
+        # reads a constant); layers that never can keep their own ops in the graph.
+        stack = self._stackable() and cpu_stack.stackable(list(self.model.layers[:-1]))
+        self._stack_key = cpu_stack.register(self.model.layers) if stack else None
         for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
             rope.prepare(param.device, param.dtype)
         options = None
@@ -131,7 +137,8 @@ class CausalLM(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         recompile = state.pop("_compiled", None) is True
-        super().__setstate__({**state, "_compiled": None})
+        # The stack key names the original's layers: the copy registers its own when it compiles.
+        super().__setstate__({**state, "_compiled": None, "_stack_key": None})
         if recompile:
             self.enable_compile()
 
@@ -174,12 +181,32 @@ class CausalLM(nn.Module):
         last = len(self.model.layers) - 1
         if meta is not None and meta.outputs is not None and not meta.outputs.every_row:
             rows = meta.outputs.rows
-        for i, layer in enumerate(self.model.layers):
+        start = 0
+        if meta is None and self._stack_key is not None:  # compiled: the custom op decides at run time
+            x, residual = cpu_stack.decoder_stack_op(x, *ropes[self._layer_types[0]], self._stack_key, last)
+            start = last
+        elif kv_caches is not None and self._stackable():
+            # Eager on the CPU in float32: the layers before the last as one native call where they qualify
+            # (models/cpu_stack.py; the same kernels, the same bits, no Python between them).
+            done = cpu_stack.run_layers(list(self.model.layers[:last]), x, ropes[self._layer_types[0]],
+                                        kv_caches[:last], meta)
+            if done is not None:
+                (x, residual), start = done, last
+        for i in range(start, len(self.model.layers)):
+            layer = self.model.layers[i]
             cache = None if kv_caches is None else kv_caches[i]
             # The last layer carries on only the rows the caller reads (meta.outputs): on a prefill
             # chunk, its attention output, MLP and final norm for one row instead of hundreds.
             x, residual = layer(x, residual, ropes[self._layer_types[i]], cache, meta, rows if i == last else None)
         return self.model.norm.add_and_norm(x, residual)[0]
+
+    def _stackable(self) -> bool:
+        """Whether the layers before the last may go to models/cpu_stack: one kind of layer, on the CPU in
+        float32 (models/cpu_stack checks each layer's weights and kernels, and each step's caches)."""
+        last = len(self.model.layers) - 1
+        param = self.lm_head.weight
+        return last >= 1 and len(set(self._layer_types[:last])) == 1 and param.device.type == "cpu" \
+            and param.dtype == torch.float32 and cpu_layers.enabled()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that sample; float32 out (softcapped for Gemma when configured)."""

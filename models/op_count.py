@@ -1,15 +1,19 @@
 """Count the aten ops a model forward dispatches, per decoder layer, so the op budget of a layer is
 visible to tests and benchmarks (on a GPU every op is a kernel launch; on a CPU, dispatcher and
-Python work). Ops that only re-describe a tensor (views, transposes, splits) are counted apart."""
+Python work). Ops that only re-describe a tensor (views, transposes, splits) are counted apart.
+What is counted is a layer run op by op: the CPU layer stack (models/cpu_stack.py), which runs the same
+kernels from one native call, is switched off while counting."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_layers
 
 # Metadata-only ops: no kernel, no data touched.
 VIEW_OPS = frozenset(
@@ -25,6 +29,17 @@ VIEW_OPS = frozenset(
 # ladle's (models/linear.py, CPU fp32; a ctypes call, no aten op: count_layer_ops records it by name).
 LADLE_GEMM = "ladle.cpu_gemm"
 MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "mkldnn._linear_pointwise", LADLE_GEMM})
+
+
+@contextmanager
+def op_by_op() -> Iterator[None]:
+    """The layers one op at a time inside the block (the CPU layer stack off), as counted here."""
+    was = cpu_layers.enabled()
+    cpu_layers.set_enabled(False)
+    try:
+        yield
+    finally:
+        cpu_layers.set_enabled(was)
 
 
 class AtenOpCounter(TorchDispatchMode):
@@ -68,7 +83,7 @@ def count_layer_ops(model, *forward_args) -> tuple[AtenOpCounter, list[str]]:
         handles.append(layer.register_forward_hook(lambda *_: setattr(counter, "scope", "other")))
     cpu_gemm.gemm = counted_gemm
     try:
-        with torch.no_grad(), counter:  # not inference_mode: it shows composites (linear) undecomposed
+        with op_by_op(), torch.no_grad(), counter:  # not inference_mode: it shows composites (linear) undecomposed
             model(*forward_args)
     finally:
         cpu_gemm.gemm = gemm
@@ -124,17 +139,18 @@ def compiled_kernels_per_layer(model, context_lens: list[int], block_size: int =
     norm are spread over the layers: an upper bound). The attention op runs its own eager ops inside.
 
     Compiles afresh: it resets dynamo (every compiled function in the process recompiles on its next
-    call), so call it from a benchmark or test, never next to a running engine."""
+    call) and leaves the model compiled op by op, so call it from a benchmark or test, never next to a
+    running engine."""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
     ids, positions, caches, meta = decode_batch(model, context_lens, block_size)
     torch._dynamo.reset()
-    if not model.compiled:
-        model.enable_compile()
-    with torch.inference_mode():
-        _, codes = run_and_get_code(model, ids, positions, caches, meta)
+    with op_by_op():
+        model.enable_compile()  # (again): a graph of the layers' own ops, not one ladle::decoder_stack op
+        with torch.inference_mode():
+            _, codes = run_and_get_code(model, ids, positions, caches, meta)
     calls = Counter()
     for code in codes:
         body = code.split("def call(", 1)[-1]

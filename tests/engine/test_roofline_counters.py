@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from kernels import cpu_gemm, cpu_paged
+from kernels import cpu_gemm, cpu_layers, cpu_paged
 from tests.engine.helpers import make_engine, random_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -47,7 +47,9 @@ def kernels_restored(monkeypatch):
     behind would run inside the compiled models of later tests, where its timer calls cannot be traced)."""
     for module, name in roofline.wrapped_attributes():
         monkeypatch.setattr(module, name, getattr(module, name))
+    stack = cpu_layers.enabled()  # install() switches the layer stack off
     yield  # monkeypatch undoes the setattrs after the test
+    cpu_layers.set_enabled(stack)
 
 
 def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, kernels_restored):
