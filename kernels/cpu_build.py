@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels.cpu_paged_source import SOURCE
@@ -128,6 +129,19 @@ def compile_cached(
     seconds = time.perf_counter() - start
     log.info("built %s in %.1f s", path, seconds)
     return path, seconds
+
+
+def build_first(source: str, stem: str, open_library: Callable[[Path], ctypes.CDLL]) -> tuple[ctypes.CDLL | None, str | None]:
+    """`source` built with the first of ARCH_FLAGS that compiles and loads (open_library(path) loads it and
+    sets its signatures): (library, None), or (None, the last attempt's error)."""
+    error = None
+    for arch in ARCH_FLAGS:
+        try:
+            path, _ = compile_cached(source, stem, list(arch))
+            return open_library(path), None
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            error = f"{type(e).__name__}: {e}"
+    return None, error
 
 
 def _build() -> ctypes.CDLL:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import ARCH_FLAGS, compile_cached
+from kernels.cpu_build import build_first
 from kernels.cpu_gemm_source import SOURCE
 from kernels.cpu_paged import zeros_on_huge_pages
 
@@ -61,15 +60,9 @@ def load_library() -> ctypes.CDLL | None:
     """The kernel, built at first use (-march=native first); None when it cannot be built."""
     with _lock:
         if "lib" not in _state:
-            _state["lib"] = None
-            for arch in ARCH_FLAGS:
-                try:
-                    path, _ = compile_cached(SOURCE, "libladle_gemm", list(arch))
-                    _state["lib"] = _open(path)
-                    break
-                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                    _state["error"] = f"{type(e).__name__}: {e}"
+            _state["lib"], error = build_first(SOURCE, "libladle_gemm", _open)
             if _state["lib"] is None:
+                _state["error"] = error
                 log.warning("CPU GEMM kernel unavailable, the linear layers keep oneDNN: %s", _state.get("error"))
         return _state["lib"]  # type: ignore[return-value]
 

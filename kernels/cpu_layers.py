@@ -17,10 +17,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import threading
 
-from kernels.cpu_build import ARCH_FLAGS, compile_cached
+from kernels.cpu_build import build_first
 from kernels.cpu_layers_source import SOURCE
 
 log = logging.getLogger("ladle.kernels")
@@ -63,22 +62,20 @@ STEP_NAMES = {1: "input norm", 2: "qkv projection", 3: "q/k norm and RoPE", 4: "
               6: "post-attention norm", 7: "gate|up projection", 8: "gated down projection"}
 
 
+def _open(path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ladle_stack_run.argtypes = [_P, _P, _P, _I32]
+    lib.ladle_stack_run.restype = _I32
+    return lib
+
+
 def load_library() -> ctypes.CDLL | None:
     """The stack, built at first use; None when it cannot be (the layers then run one op at a time)."""
     with _lock:
         if "lib" not in _state:
-            _state["lib"] = None
-            for arch in ARCH_FLAGS:
-                try:
-                    path, _ = compile_cached(SOURCE, "libladle_layers", list(arch))
-                    lib = ctypes.CDLL(str(path))
-                    lib.ladle_stack_run.argtypes = [_P, _P, _P, _I32]
-                    lib.ladle_stack_run.restype = _I32
-                    _state["lib"] = lib
-                    break
-                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                    _state["error"] = f"{type(e).__name__}: {e}"
+            _state["lib"], error = build_first(SOURCE, "libladle_layers", _open)
             if _state["lib"] is None:
+                _state["error"] = error
                 log.warning("CPU layer stack unavailable, layers run op by op: %s", _state.get("error"))
         return _state["lib"]  # type: ignore[return-value]
 
