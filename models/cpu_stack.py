@@ -78,6 +78,8 @@ def _weights(layer: nn.Module) -> cpu_layers.StackLayer | None:
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if norms[1].eps != norms[0].eps or (attn.q_norm is not None and attn.k_norm.eps != attn.q_norm.eps):
+        return None  # the step passes one eps for both norms, one for both q and k
     hidden = attn.qkv_proj.in_features
     norm_weights = [None if n.offset else _vector(n.weight, hidden) for n in norms]
     if any(x is None for x in [*linears, *norm_weights]):
@@ -97,8 +99,7 @@ def _knobs(layer: LlamaDecoderLayer) -> tuple:
     """What the stack's shared step (buffers, attention arguments, eps) assumes equal in every layer."""
     a, m = layer.self_attn, layer.mlp
     return (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.sliding_window, m.act_name, m.down_proj.in_features,
-            a.qkv_proj.in_features, layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
-            None if a.q_norm is None else a.q_norm.eps, None if a.k_norm is None else a.k_norm.eps)
+            a.qkv_proj.in_features, layer.input_layernorm.eps, None if a.q_norm is None else a.q_norm.eps)
 
 
 def _stack(layers: list[nn.Module]) -> list[cpu_layers.StackLayer] | None:
@@ -108,7 +109,7 @@ def _stack(layers: list[nn.Module]) -> list[cpu_layers.StackLayer] | None:
     if not stack or any(entry is None for entry in stack):
         return None
     knobs = _knobs(layers[0])
-    if any(_knobs(layer) != knobs for layer in layers[1:]) or knobs[8] != knobs[9] or knobs[10] != knobs[11]:
+    if any(_knobs(layer) != knobs for layer in layers[1:]):
         return None
     return stack
 
