@@ -144,6 +144,19 @@ def build_first(source: str, stem: str, open_library: Callable[[Path], ctypes.CD
     return None, error
 
 
+def load_first(state: dict, lock: threading.Lock, source: str, stem: str,
+               open_library: Callable[[Path], ctypes.CDLL], unavailable: str) -> ctypes.CDLL | None:
+    """`build_first` once per process, its library kept in state["lib"] (its error in state["error"]); when
+    none builds, one warning, `unavailable` and the error, and None from then on."""
+    with lock:
+        if "lib" not in state:
+            state["lib"], error = build_first(source, stem, open_library)
+            if state["lib"] is None:
+                state["error"] = error
+                log.warning("%s: %s", unavailable, error)
+        return state["lib"]  # type: ignore[return-value]
+
+
 def _build() -> ctypes.CDLL:
     errors = []
     for arch in ARCH_FLAGS:

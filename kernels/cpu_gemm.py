@@ -25,18 +25,15 @@ AVX-512 only (the chains are 16-lane vectors over columns); elsewhere `available
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import build_first
+from kernels.cpu_build import load_first
 from kernels.cpu_gemm_source import SOURCE
 from kernels.cpu_paged import zeros_on_huge_pages
-
-log = logging.getLogger("ladle.kernels")
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _lock = threading.Lock()
@@ -58,13 +55,8 @@ def _open(path) -> ctypes.CDLL:
 
 def load_library() -> ctypes.CDLL | None:
     """The kernel, built at first use (-march=native first); None when it cannot be built."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], error = build_first(SOURCE, "libladle_gemm", _open)
-            if _state["lib"] is None:
-                _state["error"] = error
-                log.warning("CPU GEMM kernel unavailable, the linear layers keep oneDNN: %s", _state.get("error"))
-        return _state["lib"]  # type: ignore[return-value]
+    return load_first(_state, _lock, SOURCE, "libladle_gemm", _open,
+                      "CPU GEMM kernel unavailable, the linear layers keep oneDNN")
 
 
 def available() -> bool:

@@ -15,14 +15,11 @@ It owns no policy: models/cpu_stack.py decides which layers may run here and bui
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 
-from kernels.cpu_build import build_first
+from kernels.cpu_build import load_first
 from kernels.cpu_layers_source import SOURCE
-
-log = logging.getLogger("ladle.kernels")
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _lock = threading.Lock()
@@ -71,13 +68,7 @@ def _open(path) -> ctypes.CDLL:
 
 def load_library() -> ctypes.CDLL | None:
     """The stack, built at first use; None when it cannot be (the layers then run one op at a time)."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], error = build_first(SOURCE, "libladle_layers", _open)
-            if _state["lib"] is None:
-                _state["error"] = error
-                log.warning("CPU layer stack unavailable, layers run op by op: %s", _state.get("error"))
-        return _state["lib"]  # type: ignore[return-value]
+    return load_first(_state, _lock, SOURCE, "libladle_layers", _open, "CPU layer stack unavailable, layers run op by op")
 
 
 def enabled() -> bool:
