@@ -70,8 +70,8 @@ def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threa
     raw = [torch.randn(n, k, generator=gen) * 0.03 for _ in range(args.weights)]
     packed = {label: [pack(lib, w) for w in raw] for label, lib in libs.items()}
     xs = [torch.randn(rows, 2 * k if gated else k, generator=gen) for _ in range(args.weights)]
-    # One output buffer for both: where its pages fall moves a kernel by 1-2% (its stores are ~2% of a call), so
-    # two buffers would measure their placement as much as the kernels.
+    # One output buffer for both, so the comparison does not also measure where two buffers' pages fall (the
+    # stores are ~2% of a call; a first comparison with a buffer each reversed its sign when the builds swapped).
     out = torch.empty(rows, n)
     clock = time.thread_time if threads == 1 else time.perf_counter
     rates: dict[str, list[float]] = {label: [] for label in libs}
