@@ -24,7 +24,6 @@ import torch
 
 from kernels import cpu_fused, cpu_gemm
 from kernels.cpu_build import build_first
-from kernels.cpu_paged import zeros_on_huge_pages
 
 # (name, N, K, gated): the vs_vllm model's decoder weights (benchmarks/vs_vllm.py ARCH)
 SHAPES = [("qkv", 2048, 1024, False), ("o", 1024, 1024, False), ("gate_up", 6144, 1024, False),
@@ -45,15 +44,6 @@ def other_library(checkout: Path):
     return lib
 
 
-def pack(lib, weight: torch.Tensor) -> cpu_gemm.PackedWeight:
-    """weight packed by `lib`'s own entry point: each kernel reads the layout it packs (a change may alter it)."""
-    n, k = weight.shape
-    data = zeros_on_huge_pages((lib.ladle_gemm_packed_numel(n, k),), torch.float32)  # as cpu_gemm.pack
-    if lib.ladle_gemm_pack(weight.data_ptr(), weight.stride(0), data.data_ptr(), n, k) != 0:
-        raise RuntimeError(f"ladle_gemm_pack refused a {n} x {k} weight")
-    return cpu_gemm.PackedWeight(data, n, k, cpu_gemm.k_block(k))
-
-
 def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gated: bool, threads: int) -> None:
     m, n, k = x.shape[0], w.out_features, w.in_features
     if gated:
@@ -68,7 +58,8 @@ def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gate
 def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threads: int, args) -> str:
     gen = torch.Generator().manual_seed(0)
     raw = [torch.randn(n, k, generator=gen) * 0.03 for _ in range(args.weights)]
-    packed = {label: [pack(lib, w) for w in raw] for label, lib in libs.items()}
+    # each kernel packs its own copy: it reads the layout it packs (a change may alter it)
+    packed = {label: [cpu_gemm.pack(w, lib=lib) for w in raw] for label, lib in libs.items()}
     xs = [torch.randn(rows, 2 * k if gated else k, generator=gen) for _ in range(args.weights)]
     # One output buffer for both, so the comparison does not also measure where two buffers' pages fall (the
     # stores are ~2% of a call; a first comparison with a buffer each reversed its sign when the builds swapped).

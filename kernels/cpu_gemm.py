@@ -132,9 +132,10 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def pack(weight: torch.Tensor, kb: int | None = None) -> PackedWeight:
-    """weight [N, K] (CPU float32, unit last stride) packed for `gemm`; kb: K block (default k_block)."""
-    lib = load_library()
+def pack(weight: torch.Tensor, kb: int | None = None, *, lib: ctypes.CDLL | None = None) -> PackedWeight:
+    """weight [N, K] (CPU float32, unit last stride) packed for `gemm`; kb: K block (default k_block). lib: another
+    build of this kernel to pack with (benchmarks/gemm_ab.py compares builds whose layouts may differ)."""
+    lib = lib if lib is not None else load_library()
     if lib is None:
         raise RuntimeError(f"the CPU GEMM kernel is not available: {_state.get('error')}")
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
