@@ -117,8 +117,11 @@ def worker(args: argparse.Namespace) -> None:
 
     prompts = json.loads(Path(args.prompts).read_text())
     ns = argparse.Namespace(threads=args.threads, model_dir=args.model_dir, mode="eager", budget=512,
-                            max_num_seqs=64, output_len=args.output_len)
-    seconds, tokens = vs_vllm._worker_ladle(ns, prompts)
+                            max_num_seqs=64, output_len=args.output_len, worker="ladle")
+    run = vs_vllm._ladle_runner(ns)
+    run(prompts[:vs_vllm.WARMUP_PROMPTS], vs_vllm.WARMUP_TOKENS)
+    timed = vs_vllm._timed(run, prompts, ns)
+    seconds, tokens = timed["seconds"], timed["tokens"]
     # whole-process CPU time and page faults (load, warm-up and timed generate): the CPU time a config
     # costs is less disturbed by other jobs than its wall time
     ru = resource.getrusage(resource.RUSAGE_SELF)

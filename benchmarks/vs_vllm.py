@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,13 +44,11 @@ ARCH = {
 }
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
+SERVE_READY, SERVE_DONE = "VS_VLLM_WORKER_READY", "VS_VLLM_WORKER_DONE"  # --serve's lines on stdout
 
 
 # -- workers (run in the system's own venv) ------------------------------------------------------
-_cpu_seconds = [None]  # the ladle worker's CPU time of the timed generate
-
-
-def _worker_ladle(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], list[list[int]]]:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -73,14 +72,10 @@ def _worker_ladle(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
             raise SystemExit(f"ladle worker: {len(failed)} request(s) did not finish normally, first {failed[0]}")
         return [list(o.output_token_ids) for o in outs]
 
-    run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = run(prompts, args.output_len)
-    _cpu_seconds[0] = time.process_time() - c0  # every thread of the process (benchmarks/ladle_ab.py reads it)
-    return time.perf_counter() - t0, out
+    return run
 
 
-def _worker_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+def _vllm_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], list[list[int]]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,10 +90,7 @@ def _worker_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[fl
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
-    t0 = time.perf_counter()
-    out = run(prompts, args.output_len)
-    return time.perf_counter() - t0, out
+    return run
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -121,14 +113,21 @@ def _maps(pid: int) -> str:
         return ""
 
 
-def worker_main(args: argparse.Namespace) -> None:
-    prompts = json.loads(Path(args.prompts).read_text())
-    fn = _worker_ladle if args.worker == "ladle" else _worker_vllm
-    seconds, tokens = fn(args, prompts)
+def _timed(run: Callable[[list[list[int]], int], list[list[int]]], prompts: list[list[int]],
+           args: argparse.Namespace) -> dict:
+    """One timed generate of the whole workload: wall seconds, CPU seconds (every thread of this process; vLLM's
+    model runs in a child, so only ladle's is meaningful) and the tokens, checked for their length."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = run(prompts, args.output_len)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     short = [i for i, t in enumerate(tokens) if len(t) != args.output_len]
     if short:  # ignore_eos: every request must produce exactly output_len tokens, or the timing is not comparable
         raise SystemExit(f"{args.worker} worker: {len(short)} output(s) without {args.output_len} tokens, first "
                          f"request {short[0]} ({len(tokens[short[0]])} tokens)")
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens}
+
+
+def _describe(args: argparse.Namespace) -> dict:
     import torch
 
     version = torch.__version__
@@ -140,9 +139,27 @@ def worker_main(args: argparse.Namespace) -> None:
     # one that matters (it preloads tcmalloc there).
     maps = "".join(_maps(pid) for pid in _process_tree(os.getpid()))
     malloc = next((m for m in ("tcmalloc", "jemalloc") if m in maps), "system")
-    runtime = f"{malloc} malloc, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
-    Path(args.out).write_text(json.dumps({"seconds": seconds, "cpu_seconds": _cpu_seconds[0], "tokens": tokens,
-                                          "version": version, "runtime": runtime}))
+    return {"version": version,
+            "runtime": f"{malloc} malloc, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Load, warm up, then one timed generate into --out; or, with --serve, one per `run PATH` line on stdin
+    (each answered by SERVE_DONE on stdout) until `quit`."""
+    prompts = json.loads(Path(args.prompts).read_text())
+    run = (_ladle_runner if args.worker == "ladle" else _vllm_runner)(args)
+    run(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+    if not args.serve:
+        Path(args.out).write_text(json.dumps({**_timed(run, prompts, args), **_describe(args)}))
+        return
+    described = _describe(args)
+    print(SERVE_READY, flush=True)
+    for line in sys.stdin:
+        command, _, out = line.strip().partition(" ")
+        if command != "run":
+            break
+        Path(out).write_text(json.dumps({**_timed(run, prompts, args), **described}))
+        print(SERVE_DONE, flush=True)
 
 
 # -- orchestration (ladle's venv) ----------------------------------------------------------------
@@ -191,12 +208,9 @@ def peer_python(arg: str | None) -> Path | None:
     return None
 
 
-def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
-               model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
-               cwd: Path | None = None) -> dict:
-    """One measurement in a process of its own; extra_env last (benchmarks/ladle_ab.py's variants: another
-    checkout on PYTHONPATH, switches), run from cwd (default: this repository)."""
-    out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
+def _worker_command(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
+                    model_dir: Path, prompts_file: Path, extra_env: dict[str, str] | None) -> tuple[list[str], dict]:
+    """A worker's command line (no --out / --serve yet) and environment; extra_env last."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     if system == "ladle" and not args.no_startup:
@@ -211,13 +225,90 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
                    VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
     env.update(extra_env or {})
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", system, "--model-dir", str(model_dir),
-           "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode, "--out", str(out),
+           "--prompts", str(prompts_file), "--threads", str(threads), "--mode", mode,
            "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs),
            "--output-len", str(args.output_len)]
-    proc = subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, check=False)
+    return cmd, env
+
+
+def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
+               model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> dict:
+    """One measurement in a process of its own; extra_env last (benchmarks/ladle_ab.py's variants: another
+    checkout on PYTHONPATH, switches), run from cwd (default: this repository)."""
+    out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
+    cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, extra_env)
+    proc = subprocess.run(cmd + ["--out", str(out)], env=env, cwd=cwd or REPO, capture_output=True, text=True,
+                          check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
+
+
+class ServedWorker:
+    """A worker kept alive for a whole cell (--persistent): loaded and warmed up once, then one timed generate
+    per `measure()`. Its stderr goes to a file in `work` (read back when it fails)."""
+
+    def __init__(self, python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
+                 model_dir: Path, prompts_file: Path, work: Path) -> None:
+        self.system, self.work = system, work
+        cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, None)
+        self.stderr_path = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.stderr"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(cmd + ["--serve"], env=env, cwd=REPO, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
+        self._wait(SERVE_READY)
+        self.settle()
+
+    def _wait(self, token: str) -> None:
+        """Read the worker's stdout (vLLM logs there too) up to `token`; raise with its stderr if it exits."""
+        for line in self.proc.stdout:
+            if line.strip() == token:
+                return
+        code = self.proc.wait()
+        raise RuntimeError(f"{self.system} worker exited ({code}):\n{self.stderr_path.read_text()[-4000:]}")
+
+    def measure(self) -> dict:
+        out = self.work / f"{self.system}-{time.monotonic_ns()}.json"
+        self.proc.stdin.write(f"run {out}\n")
+        self.proc.stdin.flush()
+        self._wait(SERVE_DONE)
+        self.settle()
+        return json.loads(out.read_text())
+
+    def settle(self, quiet_s: float = 0.5, limit_s: float = 60.0) -> None:
+        """Wait until the worker is idle: vLLM's processes go on using a CPU for a second or so after a generate
+        returns, which would otherwise land in the other system's timed run."""
+        deadline = time.monotonic() + limit_s
+        last = self.cpu_seconds()
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            now = self.cpu_seconds()
+            if now - last < 0.02 * quiet_s:
+                return
+            last = now
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the worker and its children so far (an idle worker's should not move)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for pid in _process_tree(self.proc.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
@@ -229,6 +320,24 @@ def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
 
     first = next((f"request {i}, token {first_difference(x, y)}" for i, (x, y) in enumerate(zip(a, b)) if x != y), "")
     return same, first
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30; beyond, 2.0 is within 2% of them).
+_T975 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
+         2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04]
+
+
+def geometric_mean_interval(ratios: list[float]) -> str:
+    """The pairs' geometric mean ratio with a 95% interval (t on the log ratios); the mean alone for one pair."""
+    import math
+
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return f"{math.exp(mean):.3f}x"
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = (_T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 2.0) * sd / math.sqrt(len(logs))
+    return f"{math.exp(mean):.3f}x ({math.exp(mean - half):.3f}-{math.exp(mean + half):.3f}x)"
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -254,47 +363,71 @@ def orchestrate(args: argparse.Namespace) -> None:
     versions: dict[str, str] = {}
     runtimes: dict[str, str] = {}
     pair = 0  # over every cell: which system goes first flips each pair (the second of a pair tends to run faster)
+    idle_cpu = 0.0  # --persistent: the most CPU seconds a resident worker used while the other one ran
     for mode in args.modes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:
             times: dict[str, list[float]] = {"ladle": [], "vllm": []}
             ratios = []
             same, first = len(prompts), ""  # the fewest identical requests over the repeats, and where
-            for rep in range(args.repeats):
-                order = ["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]
-                pair += 1
-                got, tokens = {}, {}
-                for system in order:
-                    py = ladle_py if system == "ladle" else peer
-                    res = run_worker(py, system, args, threads, mode, model_dir, prompts_file, work)
-                    got[system] = res["seconds"]
-                    times[system].append(res["seconds"])
-                    tokens[system] = res["tokens"]
-                    versions[system] = res["version"]
-                    runtimes[system] = res.get("runtime", "?")
-                    print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s", flush=True)
-                ratios.append(got["vllm"] / got["ladle"])
-                rep_same, rep_first = compare(tokens["ladle"], tokens["vllm"])  # every repeat, not only the last
-                if rep_same < same:
-                    same, first = rep_same, f"rep {rep}: {rep_first}"
+            served: dict[str, ServedWorker] = {}
+            try:
+                if args.persistent:  # both loaded and warmed up once for the cell, the first pair's first first
+                    for system in (["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]):
+                        py = ladle_py if system == "ladle" else peer
+                        served[system] = ServedWorker(py, system, args, threads, mode, model_dir, prompts_file, work)
+                for rep in range(args.repeats):
+                    order = ["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]
+                    pair += 1
+                    got, tokens = {}, {}
+                    for system in order:
+                        if served:
+                            other = served["vllm" if system == "ladle" else "ladle"]
+                            before = other.cpu_seconds()
+                            res = served[system].measure()
+                            idle = other.cpu_seconds() - before
+                            idle_cpu = max(idle_cpu, idle)
+                        else:
+                            py = ladle_py if system == "ladle" else peer
+                            res = run_worker(py, system, args, threads, mode, model_dir, prompts_file, work)
+                        got[system] = res["seconds"]
+                        times[system].append(res["seconds"])
+                        tokens[system] = res["tokens"]
+                        versions[system] = res["version"]
+                        runtimes[system] = res.get("runtime", "?")
+                        idle_note = f" (the resident {other.system}: {idle:.2f} CPU s)" if served else ""
+                        print(f"  {mode} threads={threads} rep {rep}: {system} {res['seconds']:.2f} s{idle_note}",
+                              flush=True)
+                    ratios.append(got["vllm"] / got["ladle"])
+                    rep_same, rep_first = compare(tokens["ladle"], tokens["vllm"])  # every repeat, not only the last
+                    if rep_same < same:
+                        same, first = rep_same, f"rep {rep}: {rep_first}"
+            finally:
+                for worker in served.values():
+                    worker.close()
             rows.append([threads, mode, " / ".join(f"{t:.1f}" for t in sorted(times["ladle"])),
                          " / ".join(f"{t:.1f}" for t in sorted(times["vllm"])),
                          f"{min(times['vllm']) / min(times['ladle']):.2f}x",
-                         f"{benchutil.median(ratios):.2f}x", f"{same}/{len(prompts)}" + (f" ({first})" if first else "")])
+                         f"{benchutil.median(ratios):.2f}x", geometric_mean_interval(ratios),
+                         f"{same}/{len(prompts)}" + (f" ({first})" if first else "")])
+    if args.persistent:
+        print(f"most CPU seconds a resident worker used while the other ran: {idle_cpu:.2f}")
     headers = ["threads", "mode", "ladle s (sorted)", "vLLM-CPU s (sorted)", "ladle speed vs vLLM (best)",
-               "(median of per-repeat ratios)", "tokens identical"]
+               "(median of per-repeat ratios)", "(geometric mean, 95% interval)", "tokens identical"]
     table = benchutil.markdown_table(headers, rows)
     print(table)
     load_after = benchutil.load_average()
     if args.write_docs:
         machine = benchutil.machine_info()
+        method = (f"one resident process per system and cell (loaded and warmed up once; the idle one used at most "
+                  f"{idle_cpu:.2f} CPU s during any run of the other)" if args.persistent else
+                  "one process per measurement (warm-up generate, then the timed one)")
         body = (f"Command: `.venv/bin/python benchmarks/vs_vllm.py --threads {args.threads} --modes {args.modes} "
-                f"--repeats {args.repeats}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
+                f"--repeats {args.repeats}{' --persistent' if args.persistent else ''}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
                 f"3072, 16 heads / 8 KV heads x 64, vocab 32,000, untied LM head (166M parameters), fp32.\n"
                 f"- Workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens (lognormal lengths, "
                 f"seed {args.seed}), {args.output_len} greedy tokens each (EOS ignored), step budget {args.budget}, "
-                f"max_num_seqs {args.max_num_seqs}, prefix caching off; one process per measurement (warm-up "
-                f"generate, then the timed one), systems alternated; vLLM binds its OpenMP threads to cores "
-                f"0..threads-1.\n- Machine: {machine['cpu']}, {machine['cores']} cores; ladle on torch "
+                f"max_num_seqs {args.max_num_seqs}, prefix caching off; {method}, systems alternated; vLLM binds "
+                f"its OpenMP threads to cores 0..threads-1.\n- Machine: {machine['cpu']}, {machine['cores']} cores; ladle on torch "
                 f"{versions.get('ladle')} ({runtimes.get('ladle')}), the peer {versions.get('vllm')} "
                 f"({runtimes.get('vllm')}).\n- Load average (1/5/15 min) at the "
                 f"start: {load_before}; at the end: {load_after}.\n\n{table}\n")
@@ -318,6 +451,10 @@ def main() -> None:
     p.add_argument("--peer", help="the vLLM venv's python (default: peer/bin/python, LADLE_PEER_PYTHON)")
     p.add_argument("--no-startup", action="store_true",
                    help="run ladle's worker without the CLI's start-up step (runner/startup.py)")
+    p.add_argument("--persistent", action="store_true",
+                   help="one resident worker per system and cell, timed generates alternated between them (pairs "
+                        "seconds apart, no start-up per measurement), instead of a process per measurement")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--write-docs", action="store_true")
     p.add_argument("--quick", action="store_true", help="8 prompts, 2,000 tokens, 8 output tokens, 1 repeat")
     args = p.parse_args()
