@@ -247,15 +247,17 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
 
 class ServedWorker:
     """A worker kept alive for a whole cell (--persistent): loaded and warmed up once, then one timed generate
-    per `measure()`. Its stderr goes to a file in `work` (read back when it fails)."""
+    per `measure()`. Its stderr goes to a file in `work` (read back when it fails); extra_env and cwd as for
+    run_worker."""
 
     def __init__(self, python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
-                 model_dir: Path, prompts_file: Path, work: Path) -> None:
+                 model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.system, self.work = system, work
-        cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, None)
+        cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, extra_env)
         self.stderr_path = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.stderr"
         with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(cmd + ["--serve"], env=env, cwd=REPO, stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen(cmd + ["--serve"], env=env, cwd=cwd or REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, text=True)
         self._wait(SERVE_READY)
         self.settle()
