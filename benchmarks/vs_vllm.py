@@ -27,11 +27,15 @@ vLLM, so the peer venv needs nothing of ladle's.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +65,13 @@ def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], 
         chunking=ChunkingConfig(enabled=True, size=args.budget, token_budget=args.budget),
         max_num_seqs=args.max_num_seqs,
     ))
+    from kernels import cpu_gemm
+
+    if cpu_gemm.available() and not eng.memory_plan.packed_weight_bytes:
+        # The plan drops the packed weight copies when memory is short (another worker resident, --persistent):
+        # the GEMMs would then run ~2x slower, which measures the machine's memory, not the engine.
+        raise SystemExit(f"ladle worker: too little free memory for the packed weights ({eng.memory_plan}); "
+                         "free some memory or run without --persistent")
 
     def run(ps: list[list[int]], n: int) -> list[list[int]]:
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -120,6 +131,8 @@ def _timed(run: Callable[[list[list[int]], int], list[list[int]]], prompts: list
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = run(prompts, args.output_len)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if args.worker == "vllm":
+        cpu = None  # its model runs in the EngineCore child, whose CPU time this process does not see
     short = [i for i, t in enumerate(tokens) if len(t) != args.output_len]
     if short:  # ignore_eos: every request must produce exactly output_len tokens, or the timing is not comparable
         raise SystemExit(f"{args.worker} worker: {len(short)} output(s) without {args.output_len} tokens, first "
@@ -152,6 +165,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if not args.serve:
         Path(args.out).write_text(json.dumps({**_timed(run, prompts, args), **_describe(args)}))
         return
+    run(prompts, args.output_len)  # untimed: every timed generate then meets the system in its steady state
     described = _describe(args)
     print(SERVE_READY, flush=True)
     for line in sys.stdin:
@@ -246,29 +260,57 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
 
 
 class ServedWorker:
-    """A worker kept alive for a whole cell (--persistent): loaded and warmed up once, then one timed generate
-    per `measure()`. Its stderr goes to a file in `work` (read back when it fails); extra_env and cwd as for
-    run_worker."""
+    """A worker kept alive for a whole cell (--persistent): loaded and warmed up once (a small generate, then a
+    whole untimed one: a system's first full-size generate pays first-time costs, vLLM's ~8% here), then one
+    timed generate per `measure()`. It runs in a session of its own, so closing it ends vLLM's EngineCore child
+    too; its stderr goes to a file in `work` (read back when it fails); extra_env and cwd as for run_worker."""
+
+    WAIT_S = 1800.0  # the longest one generate (or the load and warm-up) may take before the run fails
 
     def __init__(self, python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
                  model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
                  cwd: Path | None = None) -> None:
         self.system, self.work = system, work
+        self.recent: collections.deque[str] = collections.deque(maxlen=50)  # its last stdout lines (vLLM logs there)
         cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, extra_env)
         self.stderr_path = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.stderr"
         with open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(cmd + ["--serve"], env=env, cwd=cwd or REPO, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, text=True)
-        self._wait(SERVE_READY)
-        self.settle()
+                                         stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self._wait(SERVE_READY)
+            if system == "vllm" and len(_process_tree(self.proc.pid)) < 2:
+                raise RuntimeError("the vLLM worker shows no child process (/proc/PID/task/*/children): its "
+                                   "EngineCore's CPU use could not be seen")
+            self.settle()
+        except BaseException:
+            self.close()
+            raise
 
     def _wait(self, token: str) -> None:
-        """Read the worker's stdout (vLLM logs there too) up to `token`; raise with its stderr if it exits."""
-        for line in self.proc.stdout:
+        """Read the worker's stdout up to `token`; raise with its last output if it exits or takes too long."""
+        deadline = time.monotonic() + self.WAIT_S
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{self.system} worker: no {token} within {self.WAIT_S:.0f} s{self._tail()}") from None
+            if line is None:  # end of its stdout: it exited
+                raise RuntimeError(f"{self.system} worker exited ({self.proc.wait()}){self._tail()}")
             if line.strip() == token:
                 return
-        code = self.proc.wait()
-        raise RuntimeError(f"{self.system} worker exited ({code}):\n{self.stderr_path.read_text()[-4000:]}")
+            self.recent.append(line.rstrip())
+
+    def _read(self) -> None:
+        """The reader thread: every stdout line into self.lines, then None (a thread, so a wait can time out)."""
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _tail(self) -> str:
+        return (":\n" + "\n".join(self.recent) + "\n" + self.stderr_path.read_text()[-4000:])
 
     def measure(self) -> dict:
         out = self.work / f"{self.system}-{time.monotonic_ns()}.json"
@@ -279,16 +321,18 @@ class ServedWorker:
         return json.loads(out.read_text())
 
     def settle(self, quiet_s: float = 0.5, limit_s: float = 60.0) -> None:
-        """Wait until the worker is idle: vLLM's processes go on using a CPU for a second or so after a generate
-        returns, which would otherwise land in the other system's timed run."""
+        """Wait until the worker is idle (under 5% of a CPU over quiet_s): vLLM's processes go on using a CPU
+        for a second or so after a generate returns, which would otherwise land in the other system's timed run."""
         deadline = time.monotonic() + limit_s
         last = self.cpu_seconds()
         while time.monotonic() < deadline:
             time.sleep(quiet_s)
             now = self.cpu_seconds()
-            if now - last < 0.02 * quiet_s:
+            if now - last < 0.05 * quiet_s:
                 return
             last = now
+        print(f"  warning: the {self.system} worker still used a CPU {limit_s:.0f} s after its generate",
+              flush=True)
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the worker and its children so far (an idle worker's should not move)."""
@@ -303,14 +347,19 @@ class ServedWorker:
         return total
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
+        """Ask the worker to quit; its whole session (vLLM's EngineCore included) is killed if it does not."""
+        try:
+            if self.proc.poll() is None:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.close()
-                self.proc.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its session is left (an orphaned child)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
@@ -361,6 +410,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     load_before = benchutil.load_average()
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
           f"load: {load_before}")
+    if args.repeats % 2:
+        print(f"note: {args.repeats} repeats (odd): in each cell one system goes first once more than the other")
     rows = []
     versions: dict[str, str] = {}
     runtimes: dict[str, str] = {}
