@@ -67,7 +67,8 @@ def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], 
     ))
     from kernels import cpu_gemm
 
-    if cpu_gemm.available() and not eng.memory_plan.packed_weight_bytes:
+    # (getattr: ladle_ab.py may run an older checkout's engine, whose plan has no such field.)
+    if cpu_gemm.available() and getattr(eng.memory_plan, "packed_weight_bytes", None) == 0:
         # The plan drops the packed weight copies when memory is short (another worker resident, --persistent):
         # the GEMMs would then run ~2x slower, which measures the machine's memory, not the engine.
         raise SystemExit(f"ladle worker: too little free memory for the packed weights ({eng.memory_plan}); "
