@@ -74,6 +74,7 @@ def main() -> None:
     import benchutil
 
     variants = [parse_variant(v) for v in args.variant]
+    vs_vllm.exit_on_sigterm()
     model_dir = vs_vllm.workload_model(args)
     prompts = vs_vllm.make_prompts(args.num_prompts, args.prompt_tokens, 0, vs_vllm.ARCH["vocab_size"])
     work = Path(tempfile.mkdtemp(prefix="ladle_ab-"))

@@ -323,7 +323,8 @@ class ServedWorker:
 
     def settle(self, quiet_s: float = 0.5, limit_s: float = 60.0) -> None:
         """Wait until the worker is idle (under 5% of a CPU over quiet_s): vLLM's processes go on using a CPU
-        for a second or so after a generate returns, which would otherwise land in the other system's timed run."""
+        for a second or so after a generate returns, which would otherwise land in the other system's timed run.
+        Raises if it is not idle within limit_s."""
         deadline = time.monotonic() + limit_s
         last = self.cpu_seconds()
         while time.monotonic() < deadline:
@@ -332,8 +333,10 @@ class ServedWorker:
             if now - last < 0.05 * quiet_s:
                 return
             last = now
-        print(f"  warning: the {self.system} worker still used a CPU {limit_s:.0f} s after its generate",
-              flush=True)
+        # A resident worker that never goes idle (OMP_WAIT_POLICY=ACTIVE spins for good) takes a core from every
+        # measurement of the others: stop rather than report them.
+        raise RuntimeError(f"the {self.system} worker still used a CPU {limit_s:.0f} s after its generate: a "
+                           "resident worker must go idle (an OpenMP spin without end?); run without --persistent")
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the worker and its children so far (an idle worker's should not move)."""
@@ -392,8 +395,15 @@ def geometric_mean_interval(ratios: list[float]) -> str:
     return f"{math.exp(mean):.3f}x ({math.exp(mean - half):.3f}-{math.exp(mean + half):.3f}x)"
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (kill, timeout) as SystemExit, so `finally` closes --persistent's resident workers: they run in
+    sessions of their own, which a signal to this process's group does not reach."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
+    exit_on_sigterm()
     import benchutil
 
     peer = peer_python(args.peer)
