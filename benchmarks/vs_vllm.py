@@ -65,10 +65,12 @@ def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], 
         chunking=ChunkingConfig(enabled=True, size=args.budget, token_budget=args.budget),
         max_num_seqs=args.max_num_seqs,
     ))
-    from kernels import cpu_gemm
-
-    # (getattr: ladle_ab.py may run an older checkout's engine, whose plan has no such field.)
-    if cpu_gemm.available() and getattr(eng.memory_plan, "packed_weight_bytes", None) == 0:
+    try:
+        from kernels import cpu_gemm
+    except ImportError:  # ladle_ab.py may run an older checkout's engine, from before the packed GEMM
+        cpu_gemm = None
+    # (getattr: such a checkout's plan may have no such field either.)
+    if cpu_gemm is not None and cpu_gemm.available() and getattr(eng.memory_plan, "packed_weight_bytes", None) == 0:
         # The plan drops the packed weight copies when memory is short (another worker resident, --persistent):
         # the GEMMs would then run ~2x slower, which measures the machine's memory, not the engine.
         raise SystemExit(f"ladle worker: too little free memory for the packed weights ({eng.memory_plan}); "
