@@ -403,6 +403,11 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _order(pair: int) -> list[str]:
+    """Which system goes first in pair number `pair`, counted over every cell: ladle in the even ones."""
+    return ["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     exit_on_sigterm()
@@ -419,7 +424,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    ladle_py = Path(sys.executable)
+    pythons = {"ladle": Path(sys.executable), "vllm": peer}
     load_before = benchutil.load_average()
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
           f"load: {load_before}")
@@ -438,11 +443,11 @@ def orchestrate(args: argparse.Namespace) -> None:
             served: dict[str, ServedWorker] = {}
             try:
                 if args.persistent:  # both loaded and warmed up once for the cell, the first pair's first first
-                    for system in (["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]):
-                        py = ladle_py if system == "ladle" else peer
-                        served[system] = ServedWorker(py, system, args, threads, mode, model_dir, prompts_file, work)
+                    for system in _order(pair):
+                        served[system] = ServedWorker(pythons[system], system, args, threads, mode, model_dir,
+                                                      prompts_file, work)
                 for rep in range(args.repeats):
-                    order = ["ladle", "vllm"] if pair % 2 == 0 else ["vllm", "ladle"]
+                    order = _order(pair)
                     pair += 1
                     got, tokens = {}, {}
                     for system in order:
@@ -453,8 +458,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                             idle = other.cpu_seconds() - before
                             idle_cpu = max(idle_cpu, idle)
                         else:
-                            py = ladle_py if system == "ladle" else peer
-                            res = run_worker(py, system, args, threads, mode, model_dir, prompts_file, work)
+                            res = run_worker(pythons[system], system, args, threads, mode, model_dir, prompts_file,
+                                             work)
                         got[system] = res["seconds"]
                         times[system].append(res["seconds"])
                         tokens[system] = res["tokens"]
