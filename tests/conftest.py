@@ -50,6 +50,18 @@ if TEST_DEVICE not in ("cpu", "cuda"):
 if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
     raise pytest.UsageError("LADLE_TEST_DEVICE=cuda but torch sees no GPU: unset it to test on the CPU")
 
+
+def triton_subprocess_env() -> dict[str, str]:
+    """The environment of a test that runs the engine's Triton kernels in a subprocess: on the CPU they run
+    interpreted (TRITON_INTERPRET=1); with LADLE_TEST_DEVICE=cuda, compiled on the GPU, where an
+    interpreted run would test the interpreter (Triton 3.6's failed on NumPy 2.5 there) and not the code."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), LADLE_TEST_DEVICE=TEST_DEVICE)
+    if TEST_DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
 # name -> (config class name, kwargs)
 TINY_HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (

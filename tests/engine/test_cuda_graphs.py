@@ -7,15 +7,14 @@ tests/engine/test_cuda.py checks the real graphs."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from engine.cuda_graphs import bucket_sizes
+from tests.conftest import triton_subprocess_env
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -61,11 +60,10 @@ EAGER_REPLAY = textwrap.dedent(
 
 
 def _run_script(script: str, *args: str) -> list[str]:
-    """Run `script` (after EagerReplay) in a subprocess with the Triton kernels interpreted; its stdout words."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-               LADLE_TEST_DEVICE="cpu")
+    """Run `script` (after EagerReplay) in a subprocess with the Triton kernels interpreted on the CPU (compiled
+    under LADLE_TEST_DEVICE=cuda); its stdout words."""
     proc = subprocess.run([sys.executable, "-c", EAGER_REPLAY + script, *args],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
+                          env=triton_subprocess_env(), capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()
 
@@ -111,10 +109,11 @@ def test_replayed_decodes_equal_eager(tiny_hf_model_dir, family, max_len, segmen
 COMPILE_SCRIPT = textwrap.dedent(
     """
     from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
+    from tests.conftest import TEST_DEVICE
 
     path, max_len = sys.argv[1], 256
     eng = LLMEngine(EngineConfig(
-        model=ModelConfig(path=path, dtype="float32", device="cpu", attention_backend="triton", compile=True),
+        model=ModelConfig(path=path, dtype="float32", device=TEST_DEVICE, attention_backend="triton", compile=True),
         cache=CacheConfig(block_size=16, max_model_len=max_len, prefix_caching=False), max_num_seqs=4))
     assert eng.model.compiled
     prompts = [random_prompt(n, seed=n) for n in (3, 40, 17)]

@@ -123,7 +123,8 @@ def test_engine_outputs_bitwise_in_either_layout(tiny_hf_model_dir, monkeypatch,
     every_row = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)  # its last layer keeps all rows
 
     def run() -> tuple[bool, int, list[tuple]]:
-        eng = make_engine(path, backend=backend, block_size=8, size=13, prefix_caching=backend == "paged")
+        eng = make_engine(path, backend=backend, block_size=8, size=13, prefix_caching=backend == "paged",
+                              device="cpu")  # head-major blocks are the CPU layout
         outs = eng.generate([base], params) + eng.generate([base], every_row)
         outs += eng.generate(later, params)  # the first of these hits base's blocks (paged)
         rows = [(o.request_id, o.sample_index, o.output_token_ids, o.logprobs, o.prompt_logprobs) for o in outs]

@@ -55,7 +55,7 @@ def kernels_restored(monkeypatch):
 def test_the_counters_see_every_kernel_call(tiny_hf_model_dir, kernels_restored):
     if not (cpu_gemm.available() and cpu_paged.load_library() is not None):
         pytest.skip("the CPU GEMM or attention kernel is not built here")
-    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4, device="cpu")  # the CPU kernels' counters
     counters = roofline.Counters(peak_gflops=100.0, bandwidth_gbs=20.0)
     roofline.install(counters)
     outs = eng.generate([random_prompt(n, seed=n) for n in (5, 23, 40)],
@@ -84,7 +84,7 @@ def test_a_layer_outside_cpu_gemm_is_named_and_a_zero_row_call_has_no_floor(tiny
                                                                               kernels_restored):
     if not cpu_gemm.available():
         pytest.skip("the CPU GEMM kernel is not built here")
-    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4, device="cpu")  # the CPU kernels' counters
     eng.generate([random_prompt(7, seed=1)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     from models.linear import Linear
 

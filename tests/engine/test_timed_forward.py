@@ -55,7 +55,7 @@ def _caches_seen(model) -> tuple[list[list[torch.Tensor]], object]:
 def test_time_forward_reads_the_engine_cache_layout(tiny_hf_model_dir):
     """A timed forward attends over caches laid out as the engine's (on the CPU head-major blocks on 2 MiB
     pages, engine/kv_cache.layer_cache): a token-major throwaway cache times another kernel walk."""
-    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=2)
+    eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=2, device="cpu")  # the CPU's layout
     seen, handle = _caches_seen(eng.model)
     try:
         eng.time_forward([1, 1], [40, 24])

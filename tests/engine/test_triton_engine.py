@@ -8,13 +8,13 @@ runs the compiled kernels when the tensors are on the GPU.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from tests.conftest import triton_subprocess_env
 
 # Not importorskip: importing triton here would fix it in compiled mode for this whole process.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -43,10 +43,9 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("family,backend", [("gemma3", "paged"), ("qwen3", "contiguous")])
 def test_engine_greedy_with_triton_equals_reference(tiny_hf_model_dir, family, backend):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tiny_hf_model_dir(family)), backend],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
+        env=triton_subprocess_env(), capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "identical [6, 6, 6]" in proc.stdout

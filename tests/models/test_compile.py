@@ -157,13 +157,14 @@ def assert_compiled_is_eager_bitwise(model) -> None:
 def test_compiled_bf16_is_bit_identical_to_eager(family):
     """bf16 (the CUDA default): the compiled forward rounds as eager does, so logits are bit-identical and
     greedy tokens equal (with inductor's defaults, fused fp32 intermediates and mm + residual -> addmm
-    changed logits by up to 0.05 and llama's greedy continuation)."""
+    changed logits by up to 0.05 and llama's greedy continuation). On LADLE_TEST_DEVICE's device: inductor
+    writes C++ on the CPU and Triton on a GPU."""
     from models import load_model
-    from tests.conftest import TINY_HF_MODELS
+    from tests.conftest import TEST_DEVICE, TINY_HF_MODELS
 
     cls = CAUSAL_LM[family]
     arch = {"architectures": [cls], **TINY_HF_MODELS[family][1], "initializer_range": 0.08}
-    model = load_model(None, arch, torch.bfloat16, "cpu", seed=3)
+    model = load_model(None, arch, torch.bfloat16, TEST_DEVICE, seed=3)
     assert_compiled_is_eager_bitwise(model)
 
 
