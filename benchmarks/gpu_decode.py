@@ -58,7 +58,10 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - t) / 1e12
 
 
-def timed_steps(eng: LLMEngine, n: int) -> list[float]:
+PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+def timed_steps(eng: LLMEngine, n: int, phases: dict[str, list[float]] | None = None) -> list[float]:
     out = []
     for _ in range(n):
         sync()
@@ -68,16 +71,34 @@ def timed_steps(eng: LLMEngine, n: int) -> list[float]:
         out.append(time.perf_counter() - t)
         s = eng.last_step
         assert s is not None and s.prefill_tokens == 0, "a timed step carried prefill tokens"
+        if phases is not None:
+            for k in PHASES:
+                phases.setdefault(k, []).append(s.phase_times.get(k, 0.0))
     return out
 
 
-def decode_rows(name: str, batches: list[int], context: int, steps: int, bandwidth: float) -> list[list]:
+def profile_steps(eng: LLMEngine, n: int, rows: int = 25, label: str = "graph") -> None:
+    """A torch profiler table of n decode steps: which host ops and kernels a step spends its time on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        timed_steps(eng, n)
+    # On the GPU, by the kernels' own time: a graph launch is one host call, its kernels are the rows.
+    key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    print(f"  profile of {n} {label} decode steps, by {key}:", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+
+
+def decode_rows(name: str, batches: list[int], context: int, steps: int, bandwidth: float,
+                profile_batches: tuple[int, ...] = (), compile: bool = False) -> list[list]:
     arch = bu.preset_architecture(name)
     max_seqs = max(batches)
     max_len = context + 4 * steps + 64
     kv_tokens = max_seqs * (-(-max_len // 16) * 16)
     mc = bu.engine_model_config(arch, dtype="bfloat16")
     mc.device = DEVICE
+    mc.compile = compile  # the "eager" rows are then the compiled forward without graphs
     t = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=mc, cache=CacheConfig(max_model_len=max_len, num_blocks=kv_tokens // 16,
                                                              prefix_caching=False),
@@ -100,11 +121,20 @@ def decode_rows(name: str, batches: list[int], context: int, steps: int, bandwid
             if eng.scheduler.num_waiting == 0 and s is not None and s.prefill_tokens == 0:
                 break
         times = {"graphs": [], "eager": []}
+        phases: dict[str, list[float]] = {}
         for r in range(4):  # alternate: graphs, eager, eager, graphs
             for mode in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
                 eng.model_runner.graphs = graphs if mode == "graphs" else None
-                times[mode] += timed_steps(eng, max(1, steps // 4))
+                times[mode] += timed_steps(eng, max(1, steps // 4), phases if mode == "graphs" else None)
         eng.model_runner.graphs = graphs
+        print(f"  batch {b}, graph steps' phases (median ms): "
+              + ", ".join(f"{k} {bu.median(v) * 1e3:.2f}" for k, v in phases.items()), flush=True)
+        if b in profile_batches:
+            profile_steps(eng, 4)
+            if compile:
+                eng.model_runner.graphs = None
+                profile_steps(eng, 4, label="compiled, no graph,")
+                eng.model_runner.graphs = graphs
         for rid in list(eng.requests):
             eng.abort_request(rid)
         while eng.has_unfinished_requests():
@@ -178,6 +208,10 @@ def main() -> None:
     ap.add_argument("--attention-contexts", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--attention-batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="model.compile=true: the eager rows are the compiled forward (graphs record eager)")
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[],
+                    help="after timing these batches, print a torch profiler table of 4 graph steps")
     ap.add_argument("--cpu-dry-run", action="store_true", help="check the script's logic on the CPU (tiny model)")
     args = ap.parse_args()
     bu.quiet_random_weights()
@@ -192,7 +226,7 @@ def main() -> None:
               f"{matmul_tflops():.0f} TFLOP/s")
     rows = []
     for name in args.models:
-        rows += decode_rows(name, args.batches, args.context, args.steps, bw)
+        rows += decode_rows(name, args.batches, args.context, args.steps, bw, tuple(args.profile_batches), args.compile)
     print()
     print(bu.markdown_table(["model", "batch", "context", "graphs ms", "eager ms", "HBM bound ms",
                              "graphs / bound", "eager / bound"], rows))
