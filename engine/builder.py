@@ -202,8 +202,8 @@ def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
                           mc.attention_backend)
     seconds = graphs.capture()
     parts.model_runner.graphs = graphs
-    log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s", len(graphs.sizes),
-             graphs.sizes[-1], seconds)
+    log.info("captured %d CUDA graphs (decode batches up to %d) of the %s forward in %.1f s", len(graphs.sizes),
+             graphs.sizes[-1], "compiled" if graphs.records_compiled else "eager", seconds)
     return seconds
 
 

@@ -76,17 +76,25 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.backend = backend
         self.sizes = bucket_sizes(max_num_seqs)
+        # model.compile: record the compiled forward (inductor's fused kernels: on a 0.6B model at batch 1,
+        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md "GPU"); the eager
+        # one if that capture fails.
+        self.records_compiled = bool(getattr(model, "compiled", False))
         device = kv_caches[0].device
         largest = self.sizes[-1]
         # One set of static inputs at the largest size; each bucket's graph reads a prefix of it. Token
         # ids, positions and slots share one tensor so a replay's inputs arrive in three copies in all.
         width = -(-max_model_len // block_size)  # blocks of the longest sequence: the persistent table's width
-        self._tokens = torch.zeros(3, largest, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
-        self.slot_mapping.fill_(-1)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(largest, width, dtype=torch.int32, device=device)
+        # Inference tensors, as every input the compiled forward is traced and called with (the warm-up's,
+        # the runner's): a plain tensor has another dispatch key set, which fails dynamo's guard and would
+        # compile the whole forward a second time at capture.
+        with torch.inference_mode():
+            self._tokens = torch.zeros(3, largest, dtype=torch.long, device=device)
+            self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
+            self.slot_mapping.fill_(-1)
+            self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(largest, width, dtype=torch.int32, device=device)
         # Their host staging (pinned on CUDA, so the copies are asynchronous DMA), written through numpy:
         # a replay's inputs cost no torch op on the host beyond the copies.
         pin = device.type == "cuda"
@@ -101,15 +109,37 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every bucket (largest first, one shared pool). Returns the seconds it took."""
         t0 = time.perf_counter()
-        pool = None
-        with self._on_device():
-            for size in reversed(self.sizes):
-                self.graphs[size] = self._capture(size, pool)
-                graph = self.graphs[size].graph
-                pool = graph.pool() if graph is not None else None
-        if self.input_ids.is_cuda:
-            torch.cuda.synchronize(self.input_ids.device)
+        failed = False
+        try:
+            self._capture_all()
+        except Exception:  # any failure of the compiled capture: fall back to the eager forward
+            if not self.records_compiled:
+                raise
+            log.warning("capturing the compiled forward into CUDA graphs failed; recording the eager forward "
+                        "instead (model.compile=false avoids the attempt)", exc_info=True)
+            failed = True
+        if failed:  # outside the handler, so the failed graphs are not kept alive by its traceback
+            self.graphs.clear()
+            self.records_compiled = False
+            self._capture_all()
         return time.perf_counter() - t0
+
+    def _capture_all(self) -> None:
+        pool = None
+        cuda = self.input_ids.is_cuda
+        # torch.cuda.graph leaves its capture stream current when ending the capture raises: restore ours.
+        stream = torch.cuda.current_stream(self.input_ids.device) if cuda else None
+        try:
+            with self._on_device():
+                for size in reversed(self.sizes):
+                    self.graphs[size] = self._capture(size, pool)
+                    graph = self.graphs[size].graph
+                    pool = graph.pool() if graph is not None else None
+        finally:
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+        if cuda:
+            torch.cuda.synchronize(self.input_ids.device)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs decodes (None: too many, run eager)."""
@@ -138,15 +168,13 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The forward a graph records: `meta`'s bucket of the static buffers, through the eager forward.
-        The compiled one writes the last layer's keys with kernels.reference.write_kv_cache, which does
-        not skip the padding slot -1 (index_copy_ raises on a contiguous cache; the CPU's head-major one
-        wraps it into the last block's last slot). A replay has no host overhead to compile away anyway."""
+        """The forward a graph records: `meta`'s bucket of the static buffers, through the compiled forward
+        when the model has one and records_compiled, else the eager one. Both write every row's keys through
+        the attention backend (meta keeps every row), whose Triton write skips the padding slot -1."""
         size = meta.num_seqs
         ids, pos = self.input_ids[:size], self.positions[:size]
-        eager = getattr(self.model, "_forward", None) if getattr(self.model, "compiled", False) else None
-        if eager is not None:
-            return eager(ids, pos, self.kv_caches, meta)
+        if getattr(self.model, "compiled", False) and not self.records_compiled:
+            return self.model._forward(ids, pos, self.kv_caches, meta)
         return self.model(ids, pos, self.kv_caches, meta)
 
     @torch.inference_mode()
@@ -172,6 +200,7 @@ class DecodeGraphs:
         device = self._tokens.device
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
+    @torch.inference_mode()  # the static buffers are inference tensors
     def stage(self, input_ids: list[int], positions: list[int], table_rows: list[int],
               table: torch.Tensor) -> int:
         """Put n one-token sequences in the static buffers: token ids, positions, and their rows of the

@@ -20,8 +20,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     """Store new keys/values [T, Hkv, D] at their slots of kv_cache [2, num_blocks, block_size, Hkv, D]
     (any block layout: the CPU cache is head-major inside a block, engine/kv_cache.py). Every slot must
     be >= 0: unlike the Triton write, this one has no "store nothing" slot (skipping would need a mask,
-    a host sync), so CUDA-graph padding rows (slot -1) go through the eager forward's Triton write
-    (engine/cuda_graphs.DecodeGraphs._forward)."""
+    a host sync), so CUDA-graph padding rows (slot -1) go through the attention backend's Triton write
+    (a graph's forward keeps every row, so even the last layer writes through it: models/attention_op.py)."""
     if kv_cache.is_contiguous():
         flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
         flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))

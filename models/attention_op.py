@@ -69,8 +69,14 @@ def attention_op(
     if k_all is not None and v_all is not None:
         if meta.outputs is None:
             raise RuntimeError("ladle::attention given every row's keys without meta.outputs")
-        write_kv_cache(k_all, v_all, context.kv_caches[layer], meta.slot_mapping)
-        meta = meta.outputs.meta
+        if not meta.outputs.every_row:
+            write_kv_cache(k_all, v_all, context.kv_caches[layer], meta.slot_mapping)
+            meta = meta.outputs.meta
+        elif q.shape[0] != k_all.shape[0]:
+            raise RuntimeError(f"ladle::attention: every row kept, but {q.shape[0]} query rows of {k_all.shape[0]}")
+        # Every row kept (a decode step, a CUDA graph's): q/k/v are all the rows, in order, and
+        # attention() writes them through its backend as in the other layers. The Triton write skips
+        # a graph's padding slot -1, which the reference write would take as an index.
     out = attention(
         q,
         k,

@@ -23,12 +23,13 @@ def make_engine(
     clock=None,
     attention_backend: str = "auto",
     device: str | None = None,
+    cuda_graphs: bool = True,
     **chunking,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(path=str(path), dtype="float32", device=device or TEST_DEVICE,
-                              attention_backend=attention_backend),
+                              attention_backend=attention_backend, cuda_graphs=cuda_graphs),
             cache=CacheConfig(
                 backend=backend,
                 block_size=block_size,

@@ -41,7 +41,8 @@ EAGER_REPLAY = textwrap.dedent(
 
     class EagerReplay(DecodeGraphs):
         # "Replay" re-runs the forward a graph records (DecodeGraphs._forward) on the same static buffers
-        # and metadata.
+        # and metadata, under inference mode as the real capture.
+        @torch.inference_mode()
         def _capture(self, size, pool):
             meta = self._meta(size)
             hidden = self._forward(meta).clone()
@@ -73,7 +74,8 @@ SCRIPT = textwrap.dedent(
     path, max_len = sys.argv[1], int(sys.argv[2])
     prompts = [random_prompt(n, seed=n) for n in (3, 40, 17, 90, 5)]
     params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
-    eager = make_engine(path, size=32, max_num_seqs=6, max_model_len=max_len, attention_backend="triton")
+    eager = make_engine(path, size=32, max_num_seqs=6, max_model_len=max_len, attention_backend="triton",
+                        cuda_graphs=False)
     ref = [o.output_token_ids for o in eager.generate(prompts, params)]
 
     eng = make_engine(path, size=32, max_num_seqs=6, max_model_len=max_len, attention_backend="triton")
@@ -116,12 +118,17 @@ COMPILE_SCRIPT = textwrap.dedent(
         model=ModelConfig(path=path, dtype="float32", device=TEST_DEVICE, attention_backend="triton", compile=True),
         cache=CacheConfig(block_size=16, max_model_len=max_len, prefix_caching=False), max_num_seqs=4))
     assert eng.model.compiled
+    # On a GPU the builder captured real graphs: of the compiled forward, not the eager fallback.
+    real = eng.model_runner.graphs
+    assert real is None or real.records_compiled
     prompts = [random_prompt(n, seed=n) for n in (3, 40, 17)]
     params = [SamplingParams(max_tokens=2 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(3)]
+    eng.model_runner.graphs = None  # the reference: the compiled forward without graphs
     ref = [o.output_token_ids for o in eng.generate(prompts, params)]
     kv = eng.kv
     before = [c.clone() for c in kv.kv_caches]
     graphs = replay_graphs(eng)
+    assert graphs.records_compiled  # the graphs record the compiled forward
     # The padding slot -1 stored nothing, in any layer (the last one's keys included).
     assert all(torch.equal(a, b) for a, b in zip(before, kv.kv_caches)), "capture wrote into the KV cache"
     eng.model_runner.graphs = graphs
@@ -134,10 +141,10 @@ COMPILE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_compiled_model_graphs_store_nothing_for_padding(tiny_hf_model_dir):
-    """model.compile with graphs: the compiled forward stores the last layer's keys through
-    kernels.reference.write_kv_cache, which takes slot -1 (every row at capture, padding rows at replay)
-    as an index (an IndexError on a contiguous cache, the last block's last slot on the CPU's). The
-    graphs record the eager forward, whose stores skip it."""
+    """model.compile with graphs: the graphs record the compiled forward, whose last layer keeps every row
+    of a decode step and so writes its keys through the attention backend, which skips slot -1 (every row
+    at capture, padding rows at replay). kernels.reference.write_kv_cache would take -1 as an index (an
+    IndexError on a contiguous cache, the last block's last slot on the CPU's)."""
     words = _run_script(COMPILE_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "identical"
     assert int(words[1]) > 0
@@ -150,7 +157,8 @@ PLAN_SCRIPT = textwrap.dedent(
     params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)]
     # Chunks of one token whose rows are read (prompt logprobs): every prompt position is a decode-only
     # forward, eager in one engine and replayed from the bucket-1 graph in the other.
-    eager = make_engine(path, size=1, max_num_seqs=2, max_model_len=max_len, attention_backend="triton")
+    eager = make_engine(path, size=1, max_num_seqs=2, max_model_len=max_len, attention_backend="triton",
+                        cuda_graphs=False)
     ref = [o.prompt_logprobs for o in eager.generate(prompts, params)]
     eng = make_engine(path, size=1, max_num_seqs=2, max_model_len=max_len, attention_backend="triton")
     graphs = replay_graphs(eng)
@@ -257,11 +265,11 @@ MIXED_SCRIPT = textwrap.dedent(
     def run(eng):
         return [(o.output_token_ids, repr(o.prompt_logprobs), repr(o.logprobs)) for o in eng.generate(prompts, params)]
 
-    def engine():
+    def engine(graphs=True):
         return make_engine(path, max_num_seqs=4, max_model_len=max_len, attention_backend="triton",
-                           num_blocks=10, block_size=4, size=3, ubatch=2)
+                           num_blocks=10, block_size=4, size=3, ubatch=2, cuda_graphs=graphs)
 
-    ref = run(engine())
+    ref = run(engine(graphs=False))
     eng = engine()
     graphs = replay_graphs(eng)
     eng.model_runner.graphs = graphs
@@ -293,3 +301,35 @@ def test_replays_of_mixed_one_token_forwards_equal_eager(tiny_hf_model_dir):
     words = _run_script(MIXED_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "identical"
     assert int(words[1]) > 0 and int(words[2]) > 0 and int(words[3]) > 0, words
+
+
+def test_a_failed_compiled_capture_falls_back_to_the_eager_forward(caplog):
+    """The compiled forward's capture is the one path no CPU run exercises for real: if it raises, the graphs
+    are captured again from the eager forward (with a warning) instead of failing the engine's start; a
+    failure of the eager capture itself still raises."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs, _Graph
+
+    class Flaky(DecodeGraphs):
+        fail_eager = False
+
+        def _capture(self, size, pool):
+            if self.records_compiled or self.fail_eager:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return _Graph(lambda: None, self._meta(size), torch.zeros(size, 4), None)
+
+    caches = [torch.zeros(2, 4, 16, 1, 8)]
+    graphs = Flaky(SimpleNamespace(compiled=True), caches, block_size=16, max_model_len=64, max_num_seqs=4)
+    assert graphs.records_compiled
+    with caplog.at_level("WARNING", logger="engine.cuda_graphs"):
+        graphs.capture()
+    assert not graphs.records_compiled and sorted(graphs.graphs) == [1, 2, 4]
+    assert "recording the eager forward instead" in caplog.text and "stream is capturing" in caplog.text
+
+    eager = Flaky(SimpleNamespace(compiled=False), caches, block_size=16, max_model_len=64, max_num_seqs=4)
+    eager.fail_eager = True
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        eager.capture()
