@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU bring-up (issue 23), run on a lent GPU machine from the repository root:
-#   bash benchmarks/gpu/bringup.sh tests|retests|cudatests2|runner|decode06p|decode4b|throughput|sweep|sweep4b ...   (several phases in order)
+#   bash benchmarks/gpu/bringup.sh PHASE... (tests retests retests2 cudatests cudatests2 runner decode decode06 decode06p decode06c
+#   decode4b throughput sweep sweep4b)   (several phases in order)
 # Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
 # xgrammar, jsonschema and what they need) are installed from .whl/ when it is there (fetch_wheels.sh).
 set -u
