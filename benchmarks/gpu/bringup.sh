@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU bring-up (issue 23), run on a lent GPU machine from the repository root:
 #   bash benchmarks/gpu/bringup.sh PHASE... (tests retests retests2 cudatests cudatests2 runner decode decode06 decode06p decode06c
-#   decode4b throughput sweep sweep4b)   (several phases in order)
+#   decode4b throughput throughput32 sweep sweep4b compiledgraphs)   (several phases in order)
 # Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
 # xgrammar, jsonschema and what they need) are installed from .whl/ when it is there (fetch_wheels.sh).
 set -u
@@ -45,6 +45,14 @@ for phase in "$@"; do
       OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step retests 90 $PY -m pytest -v -n 2 -p no:cacheprovider -rfE \
         tests/engine/test_cuda_graphs.py::test_compiled_model_graphs_store_nothing_for_padding \
         "tests/models/test_compile.py::test_compiled_bf16_is_bit_identical_to_eager[llama]" ;;
+    compiledgraphs)  # the fourteenth session's change, not yet run on a GPU: graphs of the compiled forward
+      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step compiledgraphs 150 $PY -m pytest -v -n 8 -p no:cacheprovider \
+        -rfE tests/engine/test_cuda_graphs.py tests/engine/test_cuda.py tests/models/test_compile.py
+      step decode 150 $PY benchmarks/gpu_decode.py --models qwen3_0_6b --batches 1 32 --skip-attention --compile \
+        --profile-batches 1 ;;
+    throughput32)  # fp32 on the GPU: are ladle's and transformers' greedy outputs then identical?
+      step throughput 150 $PY benchmarks/throughput_vs_transformers.py --device cuda --dtype float32 \
+        --num-requests 32 --median-prompt 256 --max-prompt 1024 --output-len 128 --repeats 1 --token-budget 2048 ;;
     decode06c)  # model.compile=true: the compiled forward's kernels without graphs, profiled at batch 1
       step decode 120 $PY benchmarks/gpu_decode.py --models qwen3_0_6b --batches 1 --skip-attention --compile \
         --profile-batches 1 ;;
