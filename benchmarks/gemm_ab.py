@@ -44,15 +44,9 @@ def other_library(checkout: Path):
     return lib
 
 
-def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gated: bool, threads: int) -> None:
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    if gated:
-        code = lib.ladle_gemm_gated(x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), n, m, n, k, w.kb,
-                                    threads, cpu_gemm.GATED_ACTIVATIONS["silu"])
-    else:
-        code = lib.ladle_gemm(x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), n, m, n, k, w.kb, threads)
-    if code != 0:
-        raise RuntimeError(f"ladle_gemm refused its arguments (code {code})")
+def call(lib, x: torch.Tensor, w: cpu_gemm.PackedWeight, out: torch.Tensor, gated: bool) -> None:
+    """One GEMM through kernels/cpu_gemm.gemm with build `lib`, into the shared buffer `out`."""
+    cpu_gemm.gemm(x, w, "silu" if gated else None, out=out, lib=lib)
 
 
 def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threads: int, args) -> str:
@@ -71,14 +65,14 @@ def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threa
         results[label] = []
         for x, w in zip(xs, packed[label]):
             out.fill_(float("nan"))  # a kernel that left outputs unwritten cannot pass on the other's values
-            call(lib, x, w, out, gated, threads)
+            call(lib, x, w, out, gated)
             results[label].append(out.clone())
     same = all(torch.equal(a, b) for a, b in zip(results["this"], results["before"]))
     for rep in range(args.repeats):
         for label in (list(libs) if rep % 2 == 0 else list(libs)[::-1]):
             t = clock()
             for x, w in zip(xs, packed[label]):
-                call(libs[label], x, w, out, gated, threads)
+                call(libs[label], x, w, out, gated)
             rates[label].append(2 * rows * n * k * len(xs) / (clock() - t) / 1e9)
     ratio = statistics.median(a / b for a, b in zip(rates["this"], rates["before"]))
     return (f"| {threads} | {rows} | {name} {n} x {k} | {statistics.median(rates['before']):.1f} | "

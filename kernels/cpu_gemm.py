@@ -156,12 +156,14 @@ def pack(weight: torch.Tensor, kb: int | None = None, *, lib: ctypes.CDLL | None
 GATED_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # kernels/cpu_fused.ACTIVATIONS' codes
 
 
-def gemm(x: torch.Tensor, packed: PackedWeight, act: str | None = None) -> torch.Tensor:
-    """x [M, K] (CPU float32) @ weight.T -> a fresh [M, N].
+def gemm(x: torch.Tensor, packed: PackedWeight, act: str | None = None, *, out: torch.Tensor | None = None,
+         lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] (CPU float32) @ weight.T -> a fresh [M, N], or `out` (contiguous float32 [M, N]) rewritten.
 
     act (a key of GATED_ACTIVATIONS; needs `gated_available()`): x is [M, 2K], gate then up, and the
     product is act(gate) * up @ weight.T, the activation computed while the rows are packed, bitwise
-    kernels/cpu_fused.gated_activation's (no [M, K] intermediate in memory)."""
+    kernels/cpu_fused.gated_activation's (no [M, K] intermediate in memory). lib: another build of this
+    kernel, with `packed` packed by it (benchmarks/gemm_ab.py)."""
     width = packed.in_features * (1 if act is None else 2)
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"cpu_gemm.gemm: x {x.dtype} {tuple(x.shape)} does not fit a weight "
@@ -172,17 +174,21 @@ def gemm(x: torch.Tensor, packed: PackedWeight, act: str | None = None) -> torch
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], packed.out_features
-    out = torch.empty(m, n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != (m, n) or not out.is_contiguous():
+        raise ValueError(f"cpu_gemm.gemm: out {out.dtype} {tuple(out.shape)} is not a contiguous float32 [{m}, {n}]")
+    lib = lib if lib is not None else load_library()
     ldx = x.stride(0) if m > 1 else width
     if act is None:
-        code = load_library().ladle_gemm(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m, n,
-                                         packed.in_features, packed.kb, torch.get_num_threads())
+        code = lib.ladle_gemm(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m, n,
+                              packed.in_features, packed.kb, torch.get_num_threads())
     else:
         if not gated_available():
             raise RuntimeError("cpu_gemm.gemm: the gated form is not available here (see gated_available)")
-        code = load_library().ladle_gemm_gated(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m,
-                                               n, packed.in_features, packed.kb, torch.get_num_threads(),
-                                               GATED_ACTIVATIONS[act])
+        code = lib.ladle_gemm_gated(x.data_ptr(), ldx, packed.data.data_ptr(), out.data_ptr(), n, m,
+                                    n, packed.in_features, packed.kb, torch.get_num_threads(),
+                                    GATED_ACTIVATIONS[act])
     if code != 0:
         raise RuntimeError(f"ladle_gemm rejected its arguments (code {code})")
     return out

@@ -71,6 +71,19 @@ def test_strided_rows_empty_input_and_bad_shapes():
         cpu_gemm.pack(w.to(torch.bfloat16))
 
 
+def test_out_buffer_is_rewritten_and_checked():
+    """out= (benchmarks/gemm_ab.py's shared buffer): the same bits as a fresh output, every element rewritten,
+    and a buffer of the wrong shape, dtype or strides refused before the kernel runs."""
+    w, x = torch.randn(40, 96), torch.randn(7, 96)
+    packed = cpu_gemm.pack(w)
+    out = torch.full((7, 40), float("nan"))
+    assert cpu_gemm.gemm(x, packed, out=out) is out
+    assert torch.equal(out, cpu_gemm.gemm(x, packed))
+    for bad in (torch.empty(7, 41), torch.empty(7, 40, dtype=torch.float64), torch.empty(40, 7).t()):
+        with pytest.raises(ValueError, match="contiguous float32"):
+            cpu_gemm.gemm(x, packed, out=bad)
+
+
 def test_a_wrong_k_block_is_caught_by_the_check():
     """The check that guards models/linear.py can fail: a blocking that is not oneDNN's is refused."""
     assert cpu_gemm.matches_onednn(64, 2048)
