@@ -26,6 +26,7 @@ under the interpreter: tests/engine/test_cuda_graphs.py) and a bf16 near-tie can
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -129,6 +130,13 @@ class DecodeGraphs:
         cuda = self.input_ids.is_cuda
         # torch.cuda.graph leaves its capture stream current when ending the capture raises: restore ours.
         stream = torch.cuda.current_stream(self.input_ids.device) if cuda else None
+        # A garbage collection during a capture may destroy a graph left in a reference cycle (another
+        # engine's, in the same process: a Hydra multirun, a notebook), which CUDA forbids while a stream
+        # captures, and the capture fails. torch >= 2.9 no longer collects before capturing: collect here,
+        # and not again until the captures end.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with self._on_device():
                 for size in reversed(self.sizes):
@@ -136,6 +144,8 @@ class DecodeGraphs:
                     graph = self.graphs[size].graph
                     pool = graph.pool() if graph is not None else None
         finally:
+            if collecting:
+                gc.enable()
             if stream is not None:
                 torch.cuda.set_stream(stream)
         if cuda:

@@ -101,3 +101,45 @@ def test_cuda_graphs_keep_the_cache_and_blocks_intact(tiny_hf_model_dir):
     again = [o.output_token_ids for o in eng.generate(prompts, params)]
     assert [t for _, t in first] == again
     assert eng.model_runner.graph_steps > 0
+
+
+def test_a_graph_left_in_a_cycle_does_not_fail_a_later_capture(tiny_hf_model_dir):
+    """A collection during a capture that destroys another graph fails the capture ("operation not permitted
+    when stream is capturing"): seen in a GPU run where an earlier engine's graphs sat in a reference cycle.
+    Here a collection runs inside the capture whenever the collector is on (as an automatic one would), with
+    a captured graph in a cycle as garbage: the captures collected it first and kept the collector off."""
+    import gc
+
+    path = tiny_hf_model_dir("qwen3")
+    eng = cuda_engine(path, "float32", max_num_seqs=4)
+    prompts = [random_prompt(n, seed=n) for n in (5, 21)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = [o.output_token_ids for o in eng.generate(prompts, params)]
+
+    graphs = eng.model_runner.graphs
+    forward = graphs._forward
+
+    def collecting_forward(meta):
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():
+            gc.collect()
+        return forward(meta)
+
+    class Cycle:
+        def __init__(self, graph):
+            self.graph, self.me = graph, self
+
+    gc.disable()  # the cycle stays uncollected until the capture
+    try:
+        stray = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(stray):
+            torch.zeros(1, device="cuda").add_(1)
+        Cycle(stray)
+        del stray
+    finally:
+        gc.enable()
+    graphs._forward = collecting_forward
+    graphs.graphs.clear()
+    graphs.capture()
+    steps = eng.model_runner.graph_steps
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == before
+    assert eng.model_runner.graph_steps > steps

@@ -255,6 +255,9 @@ def test_staging_guard_is_recorded_on_the_copies_stream(monkeypatch):
 
 MIXED_SCRIPT = textwrap.dedent(
     """
+    import math
+    import re
+
     path, max_len = sys.argv[1], 256
     prompts = [random_prompt(n, seed=n) for n in (7, 13, 4, 22, 9)]
     params = [
@@ -289,7 +292,18 @@ MIXED_SCRIPT = textwrap.dedent(
 
     eng.scheduler._preempt, eng.model_runner._replay = counting_preempt, counting_replay
     got = run(eng)
-    assert got == ref, [(i, a, b) for i, (a, b) in enumerate(zip(ref, got)) if a != b][:2]
+    if torch.device(eng.model_runner.device).type == "cuda":
+        # A bucket's padded rows may pick another cuBLAS kernel than eager's n rows (engine/cuda_graphs.py):
+        # the same tokens and prompt logprobs (prefills run eager in both), decode logprobs to fp32 rounding.
+        def close(a, b):
+            numbers = "(-?[0-9]+[.][0-9]+(?:e-?[0-9]+)?)"
+            a, b = re.split(numbers, a), re.split(numbers, b)
+            return len(a) == len(b) and all(x == y if i % 2 == 0 else math.isclose(float(x), float(y), rel_tol=1e-5)
+                                            for i, (x, y) in enumerate(zip(a, b)))
+        same = [r[:2] == g[:2] and close(r[2], g[2]) for r, g in zip(ref, got)]
+        assert len(got) == len(ref) and all(same), [(r, g) for r, g, ok in zip(ref, got, same) if not ok][:2]
+    else:
+        assert got == ref, [(i, a, b) for i, (a, b) in enumerate(zip(ref, got)) if a != b][:2]
     print("identical", eng.model_runner.graph_steps, preempted[0], dropped[0])
     """
 )
@@ -300,7 +314,8 @@ def test_replays_of_mixed_one_token_forwards_equal_eager(tiny_hf_model_dir):
     """Forwards of 2 tokens (ubatch) over 3-token chunks: one-token pieces that nobody reads (dropped
     after the replay) beside sampling rows and prompt-logprob rows, n-sample forks, and a pool of 10
     blocks of 4 that preempts (recomputed requests get new block lists). max_model_len 256 keeps the
-    capture plan's attention order eager's, so tokens, prompt logprobs and logprobs are bitwise equal."""
+    capture plan's attention order eager's, so tokens, prompt logprobs and logprobs are bitwise equal (on a GPU,
+    where the padded rows may pick other cuBLAS kernels, logprobs equal to fp32 rounding)."""
     words = _run_script(MIXED_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "identical"
     assert int(words[1]) > 0 and int(words[2]) > 0 and int(words[3]) > 0, words
@@ -336,3 +351,64 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward(caplog):
     eager.fail_eager = True
     with pytest.raises(RuntimeError, match="stream is capturing"):
         eager.capture()
+
+
+def test_no_garbage_collection_runs_while_capturing():
+    """A collection during a capture that destroys a graph left in a reference cycle (another engine's, in
+    the same process: a Hydra multirun, a notebook) fails the capture on CUDA ("operation not permitted when
+    stream is capturing"); torch >= 2.9 no longer collects before capturing. The captures collect first
+    and keep the collector off until they end, restoring it after a failure too. A stand-in capture runs
+    an automatic collection where one would happen (gc enabled) and records what was destroyed during it."""
+    import gc
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs, _Graph
+
+    destroyed_while_capturing = []
+    state = SimpleNamespace(capturing=False)
+
+    class GraphInACycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            destroyed_while_capturing.append(state.capturing)
+
+    class Recording(DecodeGraphs):
+        fail = False
+
+        def _capture(self, size, pool):
+            state.capturing = True
+            try:
+                if gc.isenabled():
+                    gc.collect()  # what an automatic collection at this point of the capture would do
+                if self.fail:
+                    raise RuntimeError("capture failed")
+                return _Graph(lambda: None, self._meta(size), torch.zeros(size, 4), None)
+            finally:
+                state.capturing = False
+
+    caches = [torch.zeros(2, 4, 16, 1, 8)]
+    graphs = Recording(SimpleNamespace(compiled=False), caches, block_size=16, max_model_len=64, max_num_seqs=4)
+    assert gc.isenabled()
+    gc.disable()  # the cycle stays uncollected until the capture starts
+    try:
+        GraphInACycle()
+    finally:
+        gc.enable()
+    graphs.capture()
+    assert destroyed_while_capturing == [False] and gc.isenabled()
+
+    graphs.fail = True
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.capture()
+    assert gc.isenabled()  # restored after a failed capture
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError):
+            graphs.capture()
+        assert not gc.isenabled()  # a collector the caller had turned off stays off
+    finally:
+        gc.enable()
