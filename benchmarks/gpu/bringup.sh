@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU bring-up (issue 23), run on a lent GPU machine from the repository root:
 #   bash benchmarks/gpu/bringup.sh PHASE... (tests retests retests2 cudatests cudatests2 runner decode decode06 decode06p decode06c
-#   decode4b throughput throughput32 sweep sweep4b compiledgraphs)   (several phases in order)
+#   decode4b decode4bc throughput throughput32 sweep sweep4b
+#   compiledgraphs capturegc)   (several phases in order)
 # Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
 # xgrammar, jsonschema and what they need) are installed from .whl/ when it is there (fetch_wheels.sh).
 set -u
@@ -50,6 +51,12 @@ for phase in "$@"; do
         -rfE tests/engine/test_cuda_graphs.py tests/engine/test_cuda.py tests/models/test_compile.py
       step decode 150 $PY benchmarks/gpu_decode.py --models qwen3_0_6b --batches 1 32 --skip-attention --compile \
         --profile-batches 1 ;;
+    capturegc)  # the fifteenth session's fixes: no collection during a capture; the mixed replay test on CUDA
+      OMP_NUM_THREADS=1 LADLE_TEST_DEVICE=cuda step capturegc 150 $PY -m pytest -v -n 8 -p no:cacheprovider -rfE \
+        tests/engine/test_cuda.py tests/engine/test_chunked_prefill.py \
+        tests/engine/test_cuda_graphs.py::test_replays_of_mixed_one_token_forwards_equal_eager ;;
+    decode4bc)  # model.compile=true at 4B: graphs of the compiled forward against the HBM bound
+      step decode 150 $PY benchmarks/gpu_decode.py --models qwen3_4b --batches 1 32 --skip-attention --compile ;;
     throughput32)  # fp32 on the GPU: are ladle's and transformers' greedy outputs then identical?
       step throughput 150 $PY benchmarks/throughput_vs_transformers.py --device cuda --dtype float32 \
         --num-requests 32 --median-prompt 256 --max-prompt 1024 --output-len 128 --repeats 1 --token-budget 2048 ;;
