@@ -286,8 +286,15 @@ def _packed_bytes(arch, spec: KVCacheSpec, device) -> int:
 
 def _available(device) -> int:
     if device.type == "cuda":
+        import gc
+
         import torch
 
+        # The driver counts what torch's caching allocator holds as used, freed or not: an earlier engine of
+        # this process (a Hydra multirun's previous job, a notebook's) would leave the next one ~10% of the
+        # GPU. Collect it (a compiled model waits for a collection) and hand the cache back first, as vLLM does.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * CUDA_UTILIZATION)
     return available_host_bytes()

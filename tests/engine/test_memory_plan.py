@@ -136,3 +136,36 @@ def test_more_memory_never_gives_a_smaller_kv_cache():
     memory gave an eighth of the cache)."""
     tokens = [plan_for(_config(), 4, available_bytes=int(gb * GIB))[0].kv_tokens for gb in range(18, 40)]
     assert tokens == sorted(tokens), tokens
+
+
+def test_cuda_free_memory_is_read_after_an_earlier_engine_is_collected_and_the_cache_emptied(monkeypatch):
+    """On CUDA the plan reads the driver's free memory, which counts what torch's caching allocator holds as
+    used: a Hydra multirun's previous job (its KV cache ~90% of the GPU), freed or waiting in a reference
+    cycle, would leave the next job ~10%. The plan collects garbage and empties the cache first."""
+    import gc
+
+    from engine import memory
+
+    events = []
+
+    class EarlierEngine:  # garbage in a reference cycle, as a compiled model is (model._compiled -> model)
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            events.append("collected")
+
+    def mem_get_info(device):
+        events.append("read")
+        return 80 * GIB, 141 * GIB
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("emptied"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    gc.disable()
+    try:
+        EarlierEngine()
+        available = memory._available(torch.device("cuda"))
+    finally:
+        gc.enable()
+    assert events == ["collected", "emptied", "read"]
+    assert available == int(80 * GIB * memory.CUDA_UTILIZATION)
