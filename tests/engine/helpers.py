@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
@@ -80,14 +82,15 @@ def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
 
 def fail_on_forward(eng: LLMEngine, n: int | None, message: str = "injected failure") -> None:
     """Make the n-th call of the model runner raise (1-based); None injects nothing."""
-    original = eng.model_runner.execute
+    # Through a weak reference, so the runner and its patch form no reference cycle (tests/engine/test_chunked_prefill.py).
+    runner, execute = weakref.ref(eng.model_runner), type(eng.model_runner).execute
     calls = {"n": 0}
 
     def flaky(scheduled):
         calls["n"] += 1
         if calls["n"] == n:
             raise RuntimeError(message)
-        return original(scheduled)
+        return execute(runner(), scheduled)
 
     eng.model_runner.execute = flaky
 

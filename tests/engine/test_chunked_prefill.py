@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,10 +14,12 @@ from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_comp
 def capture_logits(eng):
     """Record the logits rows the model runner returns, per step."""
     seen = []
-    original = eng.model_runner.execute
+    # Through a weak reference: a closure over the runner's bound method, stored on the runner, would hold the
+    # engine (its KV cache, its CUDA graphs) in a reference cycle until a garbage collection.
+    runner, execute = weakref.ref(eng.model_runner), type(eng.model_runner).execute
 
     def wrapped(scheduled):
-        out = original(scheduled)
+        out = execute(runner(), scheduled)
         seen.append(out.logits.clone())
         return out
 
