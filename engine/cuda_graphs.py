@@ -130,10 +130,10 @@ class DecodeGraphs:
         cuda = self.input_ids.is_cuda
         # torch.cuda.graph leaves its capture stream current when ending the capture raises: restore ours.
         stream = torch.cuda.current_stream(self.input_ids.device) if cuda else None
-        # A garbage collection during a capture may destroy a graph left in a reference cycle (another
-        # engine's, in the same process: a Hydra multirun, a notebook), which CUDA forbids while a stream
-        # captures, and the capture fails. torch >= 2.9 no longer collects before capturing: collect here,
-        # and not again until the captures end.
+        # A garbage collection during a capture may destroy a graph left in a reference cycle (an earlier
+        # engine's in this process, held by a patch of its runner: seen in a GPU test run), which CUDA forbids
+        # while a stream captures, and the capture fails. torch >= 2.9 no longer collects before capturing:
+        # collect here, and not again until the captures end (as vLLM and SGLang do).
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()

@@ -291,8 +291,8 @@ def _available(device) -> int:
         import torch
 
         # The driver counts what torch's caching allocator holds as used, freed or not: an earlier engine of
-        # this process (a Hydra multirun's previous job, a notebook's) would leave the next one ~10% of the
-        # GPU. Collect it (a compiled model waits for a collection) and hand the cache back first, as vLLM does.
+        # this process (a Hydra multirun's previous job, a notebook's) would leave the next one only what it
+        # left free. Collect it (a compiled model waits for a collection) and hand the cache back first.
         gc.collect()
         torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
