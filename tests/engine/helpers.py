@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,19 +82,30 @@ def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
     return done
 
 
+def wrap_execute(eng: LLMEngine, around: Callable[[Callable, Any], Any]) -> None:
+    """Route the model runner's execute(scheduled) through around(execute, scheduled). The patch holds the
+    runner weakly: a closure over its bound method, stored on it, would keep the engine (its KV cache, its
+    CUDA graphs) in a reference cycle until a garbage collection, which may fall inside another engine's
+    graph capture (engine/cuda_graphs.py)."""
+    runner, execute = weakref.ref(eng.model_runner), type(eng.model_runner).execute
+
+    def call(scheduled):
+        return execute(runner(), scheduled)
+
+    eng.model_runner.execute = lambda scheduled: around(call, scheduled)
+
+
 def fail_on_forward(eng: LLMEngine, n: int | None, message: str = "injected failure") -> None:
     """Make the n-th call of the model runner raise (1-based); None injects nothing."""
-    # Through a weak reference, so the runner and its patch form no reference cycle (tests/engine/test_chunked_prefill.py).
-    runner, execute = weakref.ref(eng.model_runner), type(eng.model_runner).execute
     calls = {"n": 0}
 
-    def flaky(scheduled):
+    def flaky(execute, scheduled):
         calls["n"] += 1
         if calls["n"] == n:
             raise RuntimeError(message)
-        return execute(runner(), scheduled)
+        return execute(scheduled)
 
-    eng.model_runner.execute = flaky
+    wrap_execute(eng, flaky)
 
 
 def use_tokenizer(eng: LLMEngine, tok, eos_token_ids: set[int] | None = None) -> None:

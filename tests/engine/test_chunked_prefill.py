@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
 from engine import SamplingParams
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion, wrap_execute
 
 
 def capture_logits(eng):
     """Record the logits rows the model runner returns, per step."""
     seen = []
-    # Through a weak reference: a closure over the runner's bound method, stored on the runner, would hold the
-    # engine (its KV cache, its CUDA graphs) in a reference cycle until a garbage collection.
-    runner, execute = weakref.ref(eng.model_runner), type(eng.model_runner).execute
 
-    def wrapped(scheduled):
-        out = execute(runner(), scheduled)
+    def record(execute, scheduled):
+        out = execute(scheduled)
         seen.append(out.logits.clone())
         return out
 
-    eng.model_runner.execute = wrapped
+    wrap_execute(eng, record)
     return seen
 
 
