@@ -28,7 +28,7 @@ import benchutil as bu
 import torch
 from attention_cpu import attention_fns, baseline_kernel, in_layout
 
-from kernels import AttentionMetadata, cpu_paged
+from kernels import AttentionMetadata, cpu_layers, cpu_paged
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 16, 8, 64, 8, 16
 
@@ -61,6 +61,10 @@ def record_schedule() -> list[tuple[list[int], list[int]]]:
         return kernel(q, k, v, kv_cache, meta, **kw)
 
     cpu_paged.cpu_paged_attention = recording
+    # The layer stack calls the kernel from C++ (kernels/cpu_layers): the first layer must run op by op
+    # here, or only the last layer's (output rows only) calls would be recorded.
+    stack_was = cpu_layers.enabled()
+    cpu_layers.set_enabled(False)
     try:
         eng = LLMEngine(EngineConfig(
             model=ModelConfig(name="schedule", path=str(model_dir), tokenizer="byte", dtype="float32", device="cpu"),
@@ -69,6 +73,9 @@ def record_schedule() -> list[tuple[list[int], list[int]]]:
         eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     finally:
         cpu_paged.cpu_paged_attention = kernel
+        cpu_layers.set_enabled(stack_was)
+    if not any(max(q) > 1 for q, _ in forwards):
+        raise SystemExit("recorded no forward with a prefill chunk: the recording missed the first layer's calls")
     return forwards
 
 
