@@ -340,6 +340,15 @@ class ServedWorker:
         raise RuntimeError(f"the {self.system} worker still used a CPU {limit_s:.0f} s after its generate: a "
                            "resident worker must go idle (an OpenMP spin without end?); run without --persistent")
 
+    def freeze(self) -> None:
+        """Stop every process of the worker's session (SIGSTOP) while the other system runs: an idle vLLM still
+        polls (~1-1.5% of a core, measured in the thirteenth session), which lands in the other's timed run."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Let the worker's processes run again (SIGCONT), before its own measurement."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the worker and its children so far (an idle worker's should not move)."""
         tick = os.sysconf("SC_CLK_TCK")
@@ -453,6 +462,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                     for system in order:
                         if served:
                             other = served["vllm" if system == "ladle" else "ladle"]
+                            served[system].thaw()
+                            other.freeze()
                             before = other.cpu_seconds()
                             res = served[system].measure()
                             idle = other.cpu_seconds() - before
@@ -474,6 +485,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                         same, first = rep_same, f"rep {rep}: {rep_first}"
             finally:
                 for worker in served.values():
+                    worker.thaw()  # a stopped process would not read its "quit"
                     worker.close()
             rows.append([threads, mode, " / ".join(f"{t:.1f}" for t in sorted(times["ladle"])),
                          " / ".join(f"{t:.1f}" for t in sorted(times["vllm"])),
@@ -489,8 +501,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     load_after = benchutil.load_average()
     if args.write_docs:
         machine = benchutil.machine_info()
-        method = (f"one resident process per system and cell (loaded and warmed up once; the idle one used at most "
-                  f"{idle_cpu:.2f} CPU s during any run of the other)" if args.persistent else
+        method = (f"one resident process per system and cell (loaded and warmed up once; the idle one stopped by "
+                  f"SIGSTOP during the other's runs, and used at most {idle_cpu:.2f} CPU s in any of them)" if args.persistent else
                   "one process per measurement (warm-up generate, then the timed one)")
         body = (f"Command: `.venv/bin/python benchmarks/vs_vllm.py --threads {args.threads} --modes {args.modes} "
                 f"--repeats {args.repeats}{' --persistent' if args.persistent else ''}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
