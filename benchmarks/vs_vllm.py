@@ -262,6 +262,34 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
     return json.loads(out.read_text())
 
 
+# Run in a session of its own by the first freeze: reads the stopped workers' process groups from this process
+# until its end (an exit, a crash or SIGKILL closes the pipe), then continues them all. Each worker then reads the
+# end of its own stdin and exits, instead of staying stopped for good.
+_WATCHDOG = """
+import os, signal, sys
+groups = [int(line) for line in sys.stdin]
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGCONT)
+    except OSError:
+        pass
+"""
+_watchdog: list[subprocess.Popen] = []
+_watched: set[int] = set()
+
+
+def _watch(group: int) -> None:
+    """Hand a process group to the watchdog (started at the first call) before stopping it."""
+    if group in _watched:
+        return
+    if not _watchdog:
+        _watchdog.append(subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+    _watchdog[0].stdin.write(f"{group}\n")
+    _watchdog[0].stdin.flush()
+    _watched.add(group)
+
+
 class ServedWorker:
     """A worker kept alive for a whole cell (--persistent): loaded and warmed up once (a small generate, then a
     whole untimed one: a system's first full-size generate pays first-time costs, vLLM's ~8% here), then one
@@ -342,12 +370,17 @@ class ServedWorker:
 
     def freeze(self) -> None:
         """Stop every process of the worker's session (SIGSTOP) while the other system runs: an idle vLLM still
-        polls (~1-1.5% of a core, measured in the thirteenth session), which lands in the other's timed run."""
+        polls (~1-1.5% of a core, measured in the thirteenth session), which lands in the other's timed run.
+        A stopped worker cannot see its stdin close, so the watchdog continues it if this process dies."""
+        _watch(self.proc.pid)
         os.killpg(self.proc.pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
-        """Let the worker's processes run again (SIGCONT), before its own measurement."""
-        os.killpg(self.proc.pid, signal.SIGCONT)
+        """Let the worker's processes run again (SIGCONT), before its own measurement or its close."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:  # its session is gone (the worker exited and was reaped)
+            pass
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the worker and its children so far (an idle worker's should not move)."""
@@ -363,6 +396,7 @@ class ServedWorker:
 
     def close(self) -> None:
         """Ask the worker to quit; its whole session (vLLM's EngineCore included) is killed if it does not."""
+        self.thaw()  # a stopped process would not read its "quit"
         try:
             if self.proc.poll() is None:
                 self.proc.stdin.write("quit\n")
@@ -484,8 +518,9 @@ def orchestrate(args: argparse.Namespace) -> None:
                     if rep_same < same:
                         same, first = rep_same, f"rep {rep}: {rep_first}"
             finally:
+                for worker in served.values():  # every one first: an interrupted close must not leave one stopped
+                    worker.thaw()
                 for worker in served.values():
-                    worker.thaw()  # a stopped process would not read its "quit"
                     worker.close()
             rows.append([threads, mode, " / ".join(f"{t:.1f}" for t in sorted(times["ladle"])),
                          " / ".join(f"{t:.1f}" for t in sorted(times["vllm"])),
@@ -502,7 +537,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     if args.write_docs:
         machine = benchutil.machine_info()
         method = (f"one resident process per system and cell (loaded and warmed up once; the idle one stopped by "
-                  f"SIGSTOP during the other's runs, and used at most {idle_cpu:.2f} CPU s in any of them)" if args.persistent else
+                  f"SIGSTOP during the other's runs: at most {idle_cpu:.2f} CPU s in any of them, the stop's check)" if args.persistent else
                   "one process per measurement (warm-up generate, then the timed one)")
         body = (f"Command: `.venv/bin/python benchmarks/vs_vllm.py --threads {args.threads} --modes {args.modes} "
                 f"--repeats {args.repeats}{' --persistent' if args.persistent else ''}`\n\n- Model: random-weight Qwen3, 8 layers, hidden 1024, intermediate "
