@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -41,6 +42,21 @@ def _sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # finalise the outputs as Ctrl-C does
 
 
+def release_frames(error: BaseException) -> None:
+    """Drop the local variables of the frames a failed job's exception went through (and of its causes).
+    A multirun's Hydra keeps each failed job's exception until the whole sweep has run, and its traceback's
+    frames hold the job's engine: its weights and KV cache (on a GPU, most of its memory) would stay taken
+    through every later job. The traceback itself (files, lines) is kept for the report."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # frames still running (this one) are skipped
+        pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]  # an ExceptionGroup's members
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
     global _task_started
@@ -58,6 +74,10 @@ def _main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)
+    except Exception as e:
+        if hc.mode == RunMode.MULTIRUN:  # a single run's process ends here: keep the locals for a debugger
+            release_frames(e)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.interrupted:

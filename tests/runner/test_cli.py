@@ -163,3 +163,46 @@ def test_only_ladles_own_warnings_lose_their_source_line(monkeypatch):
     warnings.showwarning(*theirs)
     assert buf.getvalue().splitlines() == ["ladle: warning: weights", "ladle: warning: ours"]
     assert passed_on == [theirs]
+
+
+FAILED_JOB_SCRIPT = """
+import gc, sys, weakref
+from pathlib import Path
+import runner.job
+from runner import cli
+
+marker, sweep = Path(sys.argv[1]), sys.argv[2]
+engines = []
+
+class Engine:  # stands for the job's engine: its weights and KV cache
+    pass
+
+class Result:
+    interrupted = False
+
+def run_job(cfg, out_dir, extra=None, calibration_path=None):
+    engine = Engine()
+    engines.append(weakref.ref(engine))
+    if len(engines) == 1:
+        raise RuntimeError("the first job failed after building its engine")
+    gc.collect()
+    marker.write_text("collected" if engines[0]() is None else "alive")
+    return Result()
+
+runner.job.run_job = run_job
+sys.argv = ["ladle", "--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "output.plots=false"]
+cli.main()
+"""
+
+
+def test_a_failed_multirun_job_does_not_keep_its_engine_through_the_later_jobs(tmp_path):
+    """Hydra keeps a failed job's exception until the sweep ends; its traceback's frames held the job's
+    engine (on a GPU, most of its memory) through every later job. The CLI drops those frames' locals and
+    re-raises: the later job runs with the engine gone, and Hydra still reports the failure with its traceback."""
+    marker = tmp_path / "second_job_saw"
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", FAILED_JOB_SCRIPT, str(marker), str(tmp_path / "sweep")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert marker.read_text() == "collected", p.stderr[-3000:]
+    assert p.returncode != 0 and "the first job failed after building its engine" in p.stderr, p.stderr[-3000:]
+    assert "in run_job" in p.stderr  # the traceback's frames are still named
