@@ -284,17 +284,37 @@ def _packed_bytes(arch, spec: KVCacheSpec, device) -> int:
     return packed_bytes_estimate(arch, torch.float32, device) if spec.element_size == 4 else 0
 
 
+def return_free_host_memory() -> None:
+    """Hand malloc's free pages back to the OS, so MemAvailable counts what an earlier engine freed: tcmalloc
+    (the CLI preloads it) keeps some freed spans in its page heap, glibc the top of its heap, until asked."""
+    import ctypes
+
+    try:
+        process = ctypes.CDLL(None)  # the symbols of every library loaded into this process
+    except OSError:
+        return
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)  # tcmalloc's C API
+    if release is not None:
+        release()
+        return
+    trim = getattr(process, "malloc_trim", None)  # glibc
+    if trim is not None:
+        trim(0)
+
+
 def _available(device) -> int:
-    if device.type == "cuda":
-        import gc
+    import gc
 
-        import torch
+    # An earlier engine of this process (a Hydra multirun's previous job, a notebook's) may be garbage that
+    # waits for a collection (a compiled model is a reference cycle: model._compiled -> model): collect it
+    # before reading what is free, on either device.
+    gc.collect()
+    if device.type != "cuda":
+        return_free_host_memory()
+        return available_host_bytes()
+    import torch
 
-        # The driver counts what torch's caching allocator holds as used, freed or not: an earlier engine of
-        # this process (a Hydra multirun's previous job, a notebook's) would leave the next one only what it
-        # left free. Collect it (a compiled model waits for a collection) and hand the cache back first.
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_UTILIZATION)
-    return available_host_bytes()
+    # The driver counts what torch's caching allocator holds as used, freed or not: hand it back first.
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * CUDA_UTILIZATION)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -169,3 +174,64 @@ def test_cuda_free_memory_is_read_after_an_earlier_engine_is_collected_and_the_c
         gc.enable()
     assert events == ["collected", "emptied", "read"]
     assert available == int(80 * GIB * memory.CUDA_UTILIZATION)
+
+
+def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_returns_its_pages(monkeypatch):
+    """On the CPU the plan reads MemAvailable, which counts what malloc keeps of an earlier engine's memory
+    (tcmalloc, which the CLI preloads, keeps freed spans): the plan collects garbage (a compiled model waits in a
+    reference cycle), has malloc hand its free pages back, then reads."""
+    import gc
+
+    from engine import memory
+
+    events = []
+
+    class EarlierEngine:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            events.append("collected")
+
+    monkeypatch.setattr(memory, "return_free_host_memory", lambda: events.append("returned"))
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: events.append("read") or 7 * GIB)
+    gc.disable()
+    try:
+        EarlierEngine()
+        available = memory._available(torch.device("cpu"))
+    finally:
+        gc.enable()
+    assert events == ["collected", "returned", "read"]
+    assert available == 7 * GIB
+
+
+RSS_AFTER_FREE = """
+import gc, torch
+from engine.memory import return_free_host_memory
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+cache = [torch.ones(2**25, dtype=torch.float32) for _ in range(8)]  # 8 x 128 MiB, as a KV cache's layers
+del cache
+gc.collect()
+kept = rss()
+return_free_host_memory()
+print(kept - rss())
+"""
+
+
+def test_returning_free_host_memory_lowers_the_resident_size_under_tcmalloc():
+    """The real call, in a process with tcmalloc preloaded as the CLI runs: after 1 GiB of tensors is freed,
+    tcmalloc still holds part of it (~128 MiB measured here) until asked to release it."""
+    from runner import startup
+
+    malloc = startup.find_malloc()
+    if malloc is None or "tcmalloc" not in str(malloc):
+        pytest.skip("tcmalloc is not installed (libtcmalloc-minimal4)")
+    env = dict(os.environ, LD_PRELOAD=str(malloc), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", RSS_AFTER_FREE], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert int(out.split()[-1]) > 32 * 2**20, out
