@@ -36,6 +36,7 @@ if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken insta
 
 CONFIG_ERROR_EXIT = 2  # a config (or data path) the user must fix; 130 = interrupted; 1 = a crash
 _task_started = False  # Hydra exits 1 on its own config errors: before any task ran, that means config
+_sweep_dir: Path | None = None  # a multirun's root, once one of its jobs started
 
 
 def _sigterm(signum: int, frame: object) -> None:
@@ -59,12 +60,14 @@ def release_frames(error: BaseException) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
-    global _task_started
+    global _task_started, _sweep_dir
     _task_started = True
     from runner.job import run_job
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
+    if hc.mode == RunMode.MULTIRUN:
+        _sweep_dir = Path(hc.sweep.dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
@@ -84,6 +87,23 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(130)
 
 
+def _report_stopped_sweep() -> None:
+    """A multirun that stopped at a failed or interrupted job: Hydra then skips its end-of-sweep callbacks, so
+    the sweep report (runner/sweep.py) is written here, of the runs that finished."""
+    if _sweep_dir is None or not any(_sweep_dir.glob("**/summary.json")):  # no run finished: nothing to report
+        return
+    from runner.sweep import write_sweep_report
+
+    try:
+        files = write_sweep_report(_sweep_dir)
+    except Exception as e:  # noqa: BLE001 - the job's own error is the one to report
+        print(f"ladle: the sweep stopped early, and its report failed too: {e}", file=sys.stderr)
+        return
+    if files:
+        print(f"ladle: the sweep stopped early; the report of the runs that finished is in {_sweep_dir.resolve()}: "
+              + ", ".join(p.name for p in files.values()), file=sys.stderr)
+
+
 def main() -> None:
     from runner.cli_warnings import install
 
@@ -95,4 +115,9 @@ def main() -> None:
         # once and exits 1; those are config errors too, so they exit like ladle's own.
         if e.code == 1 and not _task_started:
             sys.exit(CONFIG_ERROR_EXIT)
+        if e.code not in (0, None):
+            _report_stopped_sweep()
+        raise
+    except BaseException:  # HYDRA_FULL_ERROR=1 re-raises the job's own exception; Ctrl-C between jobs
+        _report_stopped_sweep()
         raise

@@ -206,3 +206,16 @@ def test_a_failed_multirun_job_does_not_keep_its_engine_through_the_later_jobs(t
     assert marker.read_text() == "collected", p.stderr[-3000:]
     assert p.returncode != 0 and "the first job failed after building its engine" in p.stderr, p.stderr[-3000:]
     assert "in run_job" in p.stderr  # the traceback's frames are still named
+
+
+def test_a_sweep_that_stops_at_a_failed_job_still_reports_the_runs_that_finished(tmp_path):
+    """Hydra skips its end-of-sweep callbacks when a job fails, so the sweep report was lost with every run
+    that had finished; the CLI writes it of those runs, then exits as the failed job did."""
+    sweep = tmp_path / "sweep"
+    p = ladle("--multirun", "workload.limit=3,-1", f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST,
+              cwd=tmp_path)
+    assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
+    assert "the sweep stopped early" in p.stderr and str(sweep.resolve()) in p.stderr, p.stderr[-3000:]
+    rows = pq.read_table(sweep / "sweep.parquet").to_pylist()
+    assert [r["requests"] for r in rows] == [3] and "workload.limit=3" in rows[0]["overrides"]
+    assert "workload.limit=3" in (sweep / "sweep.md").read_text()
