@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,6 +38,7 @@ if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken insta
 CONFIG_ERROR_EXIT = 2  # a config (or data path) the user must fix; 130 = interrupted; 1 = a crash
 _task_started = False  # Hydra exits 1 on its own config errors: before any task ran, that means config
 _sweep_dir: Path | None = None  # a multirun's root, once one of its jobs started
+_sweep_runs = 0  # the multirun's jobs that wrote their summary.json in this process
 
 
 def _sigterm(signum: int, frame: object) -> None:
@@ -58,12 +60,21 @@ def release_frames(error: BaseException) -> None:
         pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]  # an ExceptionGroup's members
 
 
+def _written_since(path: Path, started: float) -> bool:
+    """Whether this job wrote `path` (a run directory reused from an earlier sweep holds an older one)."""
+    try:
+        return path.stat().st_mtime >= started - 1.0  # the file system's timestamps may be coarser than ours
+    except OSError:
+        return False
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
-    global _task_started, _sweep_dir
+    global _task_started, _sweep_dir, _sweep_runs
     _task_started = True
     from runner.job import run_job
 
+    started = time.time()
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     if hc.mode == RunMode.MULTIRUN:
@@ -83,30 +94,37 @@ def _main(cfg: DictConfig) -> None:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if hc.mode == RunMode.MULTIRUN and _written_since(out_dir / "summary.json", started):
+            _sweep_runs += 1
     if result.interrupted:
         sys.exit(130)
 
 
-def _report_stopped_sweep() -> None:
-    """A multirun that stopped at a failed or interrupted job: Hydra then skips its end-of-sweep callbacks, so
-    the sweep report (runner/sweep.py) is written here, of the runs that finished."""
-    if _sweep_dir is None or not any(_sweep_dir.glob("**/summary.json")):  # no run finished: nothing to report
+def _report_failed_sweep() -> None:
+    """A multirun that ended with a failed or interrupted job: Hydra then skips its end-of-sweep callbacks, so
+    the sweep report (runner/sweep.py, of every run with a summary in the sweep directory, as the callback's) is
+    written here, if a job of this sweep wrote its summary (a directory reused from an earlier sweep holds
+    others'). Jobs run by another process (a remote Hydra launcher) count none here: no report then."""
+    if _sweep_dir is None or _sweep_runs == 0:
         return
     from runner.sweep import write_sweep_report
 
     try:
         files = write_sweep_report(_sweep_dir)
-    except Exception as e:  # noqa: BLE001 - the job's own error is the one to report
-        print(f"ladle: the sweep stopped early, and its report failed too: {e}", file=sys.stderr)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the job's own error and exit status stand
+        print(f"ladle: the sweep ended with a failed or interrupted job, and its report failed too: {e!r}",
+              file=sys.stderr)
         return
     if files:
-        print(f"ladle: the sweep stopped early; the report of the runs that finished is in {_sweep_dir.resolve()}: "
-              + ", ".join(p.name for p in files.values()), file=sys.stderr)
+        print(f"ladle: the sweep ended with a failed or interrupted job; the report of its runs with a summary is "
+              f"in {_sweep_dir.resolve()}: " + ", ".join(p.name for p in files.values()), file=sys.stderr)
 
 
 def main() -> None:
     from runner.cli_warnings import install
 
+    global _task_started, _sweep_dir, _sweep_runs
+    _task_started, _sweep_dir, _sweep_runs = False, None, 0  # main() may run twice in one process (tests)
     install()  # ladle's warnings on one line each (`ladle: warning: ...`)
     try:
         _main()
@@ -116,8 +134,8 @@ def main() -> None:
         if e.code == 1 and not _task_started:
             sys.exit(CONFIG_ERROR_EXIT)
         if e.code not in (0, None):
-            _report_stopped_sweep()
+            _report_failed_sweep()
         raise
     except BaseException:  # HYDRA_FULL_ERROR=1 re-raises the job's own exception; Ctrl-C between jobs
-        _report_stopped_sweep()
+        _report_failed_sweep()
         raise

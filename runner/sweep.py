@@ -63,7 +63,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             ov = f.parent / ".hydra" / "overrides.yaml"
             overrides = _read_overrides(ov) if ov.exists() else []
         row = {"run": str(f.parent.relative_to(sweep_dir)), "overrides": list(overrides),
-               "chunk_size": _get(s, ("config", "chunking", "size"))}
+               "chunk_size": _get(s, ("config", "chunking", "size")),
+               "complete": s.get("complete") is not False}  # interrupted, or a failed replica: False
         for name, path, _, scale in COLUMNS:
             v = _get(s, path)
             row[name] = v * scale if (scale and v is not None) else v
@@ -112,8 +113,10 @@ KNEE_TOLERANCE = 0.05  # the knee: the smallest chunk within 5% of the best thro
 
 def answers(rows: list[dict[str, Any]]) -> list[str]:
     """What the sweep says, one line each: best P99 ITL, best TTFT p50, best throughput, the knee."""
+    whole = [r for r in rows if r.get("complete", True)]  # a run stopped early would win on a few requests
+
     def best(col: str, low: bool) -> dict[str, Any] | None:
-        have = [r for r in rows if r.get(col) is not None]
+        have = [r for r in whole if r.get(col) is not None]
         return (min if low else max)(have, key=lambda r: r[col]) if have else None
 
     out = [line] if (line := tokens_line(rows)) else []
@@ -123,12 +126,15 @@ def answers(rows: list[dict[str, Any]]) -> list[str]:
         if r is not None:
             out.append(f"- Best {what}: `{_label(r)}` ({_fmt(r[col])} {unit})")
     top = best("busy_tok_per_s", False)
-    sized = [r for r in rows if r.get("chunk_size") is not None and r.get("busy_tok_per_s") is not None]
+    sized = [r for r in whole if r.get("chunk_size") is not None and r.get("busy_tok_per_s") is not None]
     if top is not None and len({r["chunk_size"] for r in sized}) > 1:
         near = [r for r in sized if r["busy_tok_per_s"] >= (1 - KNEE_TOLERANCE) * top["busy_tok_per_s"]]
         knee = min(near, key=lambda r: r["chunk_size"])
         out.append(f"- Knee: chunking.size={knee['chunk_size']} (`{_label(knee)}`), the smallest chunk within "
                    f"{KNEE_TOLERANCE:.0%} of the best throughput ({_fmt(knee['busy_tok_per_s'])} tok/s busy)")
+    if len(whole) < len(rows):
+        cut = ", ".join(f"`{_label(r)}`" for r in rows if r not in whole)
+        out.append(f"- Incomplete (interrupted, or a replica failed), left out of the lines above: {cut}")
     return out
 
 
@@ -136,7 +142,8 @@ def write_markdown(rows: list[dict[str, Any]], path: Path) -> None:
     heads = ["run", "swept"] + [h for _, _, h, _ in COLUMNS]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
-        cells = [r["run"], f"`{r['varied']}`" if r["varied"] else ""] + [_fmt(r[n]) for n, *_ in COLUMNS]
+        run = r["run"] if r.get("complete", True) else f"{r['run']} (incomplete)"
+        cells = [run, f"`{r['varied']}`" if r["varied"] else ""] + [_fmt(r[n]) for n, *_ in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     common = set(rows[0]["overrides"].split()) - {o for r in rows for o in r["varied"].split()} if rows else set()
     shared = f"Overrides shared by every run: `{' '.join(sorted(common))}`\n\n" if common else ""
@@ -198,7 +205,7 @@ def write_sweep_report(sweep_dir: str | Path) -> dict[str, Path]:
         return {}
     out = {"parquet": sweep_dir / "sweep.parquet", "markdown": sweep_dir / "sweep.md", "plot": sweep_dir / "sweep.png"}
     fields = [pa.field("run", pa.string()), pa.field("overrides", pa.string()), pa.field("varied", pa.string()),
-              pa.field("chunk_size", pa.int64())]
+              pa.field("chunk_size", pa.int64()), pa.field("complete", pa.bool_())]
     for name, *_ in COLUMNS:
         kind = pa.int64() if name in ("requests", "errors", "preemptions", "steps") else pa.float64()
         fields.append(pa.field(name, kind))

@@ -215,7 +215,22 @@ def test_a_sweep_that_stops_at_a_failed_job_still_reports_the_runs_that_finished
     p = ladle("--multirun", "workload.limit=3,-1", f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST,
               cwd=tmp_path)
     assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
-    assert "the sweep stopped early" in p.stderr and str(sweep.resolve()) in p.stderr, p.stderr[-3000:]
+    assert "the sweep ended with a failed or interrupted job" in p.stderr and str(sweep.resolve()) in p.stderr, \
+        p.stderr[-3000:]
     rows = pq.read_table(sweep / "sweep.parquet").to_pylist()
     assert [r["requests"] for r in rows] == [3] and "workload.limit=3" in rows[0]["overrides"]
     assert "workload.limit=3" in (sweep / "sweep.md").read_text()
+
+
+def test_a_failed_sweep_in_a_reused_directory_reports_nothing_when_none_of_its_jobs_finished(tmp_path):
+    """A sweep directory reused from an earlier sweep holds that sweep's summaries: a sweep whose first job
+    fails must not report (and overwrite the report of) the earlier runs as its own."""
+    sweep = tmp_path / "sweep"
+    (sweep / "old").mkdir(parents=True)
+    (sweep / "old" / "summary.json").write_text(json.dumps({"overrides": ["workload.limit=5"], "requests": 5}))
+    (sweep / "sweep.md").write_text("the earlier sweep's report\n")
+    p = ladle("--multirun", "workload.limit=-1,3", f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST,
+              cwd=tmp_path)
+    assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
+    assert "the sweep ended" not in p.stderr, p.stderr[-3000:]
+    assert (sweep / "sweep.md").read_text() == "the earlier sweep's report\n"

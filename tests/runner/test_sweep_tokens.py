@@ -92,3 +92,19 @@ def test_a_deterministic_multirun_reports_identical_tokens(tmp_path):
     assert [len(g) for g in gens] == [4, 4] and all(len(r["output_token_ids"]) == 6 for r in gens[0])
     by_id = [{r["id"]: r["logprobs"] for r in g} for g in gens]
     assert by_id[0] == by_id[1]  # the logprobs too, as floats read back from parquet (bitwise)
+
+
+def test_an_incomplete_run_is_marked_and_left_out_of_the_best_runs(tmp_path):
+    """An interrupted run's summary says complete: false; a few fast requests must not make it the sweep's best."""
+    make_run(tmp_path, "0", SAME, 8)
+    make_run(tmp_path, "1", SAME, 32)
+    for name, busy, complete in (("0", 100.0, True), ("1", 900.0, False)):
+        path = tmp_path / name / "summary.json"
+        summary = json.loads(path.read_text())
+        summary.update(throughput={"busy_tokens_per_s": busy}, complete=complete)
+        path.write_text(json.dumps(summary))
+    rows, md = report(tmp_path)
+    assert [r["complete"] for r in rows] == [True, False]
+    assert "- Best throughput: `chunking.size=8`" in md
+    assert "- Incomplete (interrupted, or a replica failed), left out of the lines above: `chunking.size=32`" in md
+    assert "| 1 (incomplete) |" in md
