@@ -57,7 +57,7 @@ def release_frames(error: BaseException) -> None:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # frames still running (this one) are skipped
-        pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]  # an ExceptionGroup's members
+        pending += [e.__cause__, e.__context__, *(e.exceptions if isinstance(e, BaseExceptionGroup) else ())]
 
 
 def _written_since(path: Path, started: float) -> bool:

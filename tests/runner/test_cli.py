@@ -234,3 +234,46 @@ def test_a_failed_sweep_in_a_reused_directory_reports_nothing_when_none_of_its_j
     assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
     assert "the sweep ended" not in p.stderr, p.stderr[-3000:]
     assert (sweep / "sweep.md").read_text() == "the earlier sweep's report\n"
+
+
+def test_release_frames_reaches_causes_contexts_and_exception_group_members():
+    import gc
+    import weakref
+
+    from runner.cli import release_frames
+
+    class Held:  # stands for an engine a failed job's frame held
+        pass
+
+    held: list[weakref.ref] = []
+
+    def fail(kind: str) -> None:
+        engine = Held()
+        held.append(weakref.ref(engine))
+        raise ValueError(kind)
+
+    def fail_twice() -> None:
+        errors = []
+        for kind in ("a", "b"):
+            try:
+                fail(kind)
+            except ValueError as e:
+                errors.append(e)
+        try:
+            fail("context")
+        except ValueError:
+            raise ExceptionGroup("both", errors) from RuntimeError("cause")
+
+    try:
+        fail_twice()
+    except ExceptionGroup as e:
+        error = e
+    release_frames(error)
+    gc.collect()
+    assert len(held) == 3 and all(ref() is None for ref in held)
+    assert [str(x) for x in error.exceptions] == ["a", "b"]  # the exceptions themselves are kept
+
+    class NotAGroup(Exception):
+        exceptions = 3  # an attribute of that name on another exception is not walked
+
+    release_frames(NotAGroup())
