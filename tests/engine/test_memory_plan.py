@@ -143,48 +143,12 @@ def test_more_memory_never_gives_a_smaller_kv_cache():
     assert tokens == sorted(tokens), tokens
 
 
-def test_cuda_free_memory_is_read_after_an_earlier_engine_is_collected_and_the_cache_emptied(monkeypatch):
-    """On CUDA the plan reads the driver's free memory, which counts what torch's caching allocator holds as
-    used: a Hydra multirun's previous job (its KV cache ~90% of the GPU), freed or waiting in a reference
-    cycle, would leave the next job ~10%. The plan collects garbage and empties the cache first."""
+def _available_after_garbage(device: torch.device, events: list[str]) -> int:
+    """memory._available with an earlier engine left as garbage in a reference cycle (as a compiled model is:
+    model._compiled -> model), the collector off: "collected" lands in events when the plan collects it."""
     import gc
 
     from engine import memory
-
-    events = []
-
-    class EarlierEngine:  # garbage in a reference cycle, as a compiled model is (model._compiled -> model)
-        def __init__(self):
-            self.me = self
-
-        def __del__(self):
-            events.append("collected")
-
-    def mem_get_info(device):
-        events.append("read")
-        return 80 * GIB, 141 * GIB
-
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("emptied"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    gc.disable()
-    try:
-        EarlierEngine()
-        available = memory._available(torch.device("cuda"))
-    finally:
-        gc.enable()
-    assert events == ["collected", "emptied", "read"]
-    assert available == int(80 * GIB * memory.CUDA_UTILIZATION)
-
-
-def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_returns_its_pages(monkeypatch):
-    """On the CPU the plan reads MemAvailable, which counts what malloc keeps of an earlier engine's memory
-    (tcmalloc, which the CLI preloads, keeps freed spans): the plan collects garbage (a compiled model waits in a
-    reference cycle), has malloc hand its free pages back, then reads."""
-    import gc
-
-    from engine import memory
-
-    events = []
 
     class EarlierEngine:
         def __init__(self):
@@ -193,14 +157,43 @@ def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_ret
         def __del__(self):
             events.append("collected")
 
-    monkeypatch.setattr(memory, "return_free_host_memory", lambda: events.append("returned"))
-    monkeypatch.setattr(memory, "available_host_bytes", lambda: events.append("read") or 7 * GIB)
     gc.disable()
     try:
         EarlierEngine()
-        available = memory._available(torch.device("cpu"))
+        return memory._available(device)
     finally:
         gc.enable()
+
+
+def test_cuda_free_memory_is_read_after_an_earlier_engine_is_collected_and_the_cache_emptied(monkeypatch):
+    """On CUDA the plan reads the driver's free memory, which counts what torch's caching allocator holds as
+    used: a Hydra multirun's previous job (its KV cache ~90% of the GPU), freed or waiting in a reference
+    cycle, would leave the next job ~10%. The plan collects garbage and empties the cache first."""
+    from engine import memory
+
+    events = []
+
+    def mem_get_info(device):
+        events.append("read")
+        return 80 * GIB, 141 * GIB
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("emptied"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    available = _available_after_garbage(torch.device("cuda"), events)
+    assert events == ["collected", "emptied", "read"]
+    assert available == int(80 * GIB * memory.CUDA_UTILIZATION)
+
+
+def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_returns_its_pages(monkeypatch):
+    """On the CPU the plan reads MemAvailable, which counts what malloc keeps of an earlier engine's memory
+    (tcmalloc, which the CLI preloads, keeps freed spans): the plan collects garbage (a compiled model waits in a
+    reference cycle), has malloc hand its free pages back, then reads."""
+    from engine import memory
+
+    events = []
+    monkeypatch.setattr(memory, "return_free_host_memory", lambda: events.append("returned"))
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: events.append("read") or 7 * GIB)
+    available = _available_after_garbage(torch.device("cpu"), events)
     assert events == ["collected", "returned", "read"]
     assert available == 7 * GIB
 
