@@ -6,10 +6,11 @@ saying what to fix, and the engine reports it from its next step.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMetrics, RequestStatus
@@ -31,9 +32,14 @@ class InputProcessor:
         self._ids = itertools.count()
         self._order = itertools.count()
 
-    def request_id(self, request_id: str | None) -> str:
-        """The id given, or the next free number."""
-        return str(next(self._ids)) if request_id is None else str(request_id)
+    def request_id(self, request_id: str | None, in_use: Container[str]) -> str:
+        """The id given, or the next number no request holds (a caller's own ids may be numbers too)."""
+        if request_id is not None:
+            return str(request_id)
+        rid = str(next(self._ids))
+        while rid in in_use:
+            rid = str(next(self._ids))
+        return rid
 
     def process(self, request_id: str, prompt: Sequence[int] | str, params: SamplingParams,
                 arrival_time: float) -> Request:
@@ -43,6 +49,11 @@ class InputProcessor:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this request's error
             ids, error = [], f"could not tokenize the prompt: {exc}"
+        if isinstance(params, SamplingParams):
+            # The request's own copy: a caller that reuses one object for several requests (changing
+            # its seed between them) or edits it later must not change a queued request, nor skip the
+            # validation below (vLLM clones the params too).
+            params = copy.deepcopy(params)
         if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
             params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))

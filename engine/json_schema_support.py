@@ -17,7 +17,8 @@ The rules, per subschema:
 - Not enforced at all: `uniqueItems`, `contains` (`minContains`/`maxContains` mean nothing without it),
   `dependentRequired`,
   `dependentSchemas`, `dependencies`, `not`, `if`/`then`/`else`, `$dynamicRef`; `pattern` together with
-  `minLength`/`maxLength`; `multipleOf` except a whole number on an integer; `required` naming a
+  `minLength`/`maxLength`; `format` together with `pattern`, `minLength` or `maxLength`; regex syntax its
+  regex parser refuses (lookahead, lookbehind) in a `pattern` or a `patternProperties` key; `multipleOf` except a whole number on an integer; `required` naming a
   property not in `properties`; `allOf` of more than one schema; `oneOf` whose branches may overlap
   (it acts as `anyOf`); formats outside `ENFORCED_FORMATS`.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,6 +105,10 @@ def _node_problem(node: dict, root: Any) -> str | None:
     for key, why in NEVER.items():
         if key in node and not (key == "uniqueItems" and node[key] is False):
             return f"{key!r} is not supported: {why}"
+    if isinstance(node.get("patternProperties"), dict):
+        for key in node["patternProperties"]:
+            if isinstance(key, str) and (problem := _pattern_problem(key)):
+                return problem.replace("'pattern'", "'patternProperties' key", 1)
     for key in REPLACING:
         if key in node:
             extra = sorted(k for k in node if k not in ANNOTATIONS and k != key)
@@ -116,6 +122,21 @@ def _node_problem(node: dict, root: Any) -> str | None:
     if "enum" in node or "const" in node:
         return _enum_problem(node)
     return _typed_problem(node)
+
+
+def _pattern_problem(pattern: str) -> str | None:
+    """Regex syntax the grammar engine would ignore inside a schema (lookarounds: it logs a warning and
+    drops them, so the grammar is laxer than the pattern) but refuses as a regex: ask its regex parser."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return None  # structured output then fails as a whole, with the install hint
+    try:
+        xgr.Grammar.from_regex(pattern)
+    except Exception as exc:  # noqa: BLE001 - the parser's reason is the message
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).splitlines()[0]
+        return f"'pattern' {pattern!r} is not enforced by the grammar engine ({reason}); rewrite it without that"
+    return None
 
 
 def _typed_problem(node: dict) -> str | None:
@@ -134,6 +155,12 @@ def _typed_problem(node: dict) -> str | None:
     if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
         return ("'pattern' together with 'minLength'/'maxLength' drops the lengths; "
                 "write the lengths into the pattern (e.g. ^[a-z]{3,8}$)")
+    if "string" in types and "format" in node and (dropped := [k for k in ("pattern", "minLength", "maxLength")
+                                                            if k in node]):
+        return (f"'format' together with {dropped[0]!r} drops the {dropped[0]!r}; keep only the format, or "
+                f"replace both by one 'pattern' that spells the format and the constraint")
+    if "string" in types and isinstance(node.get("pattern"), str) and (problem := _pattern_problem(node["pattern"])):
+        return problem
     if "string" in types and "format" in node and node["format"] not in ENFORCED_FORMATS:
         return (f"format {node['format']!r} is not enforced; use one of {sorted(ENFORCED_FORMATS)} "
                 f"or a 'pattern'")

@@ -59,7 +59,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request. Bad input never raises: the request comes back from the next step()
         finished with finish_reason "error" and a message saying what to fix."""
-        rid = self.input_processor.request_id(request_id)
+        rid = self.input_processor.request_id(request_id, self.requests)
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use; give each request a unique id")
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
@@ -230,7 +230,14 @@ class LLMEngine:
         # Only finished outputs are returned: no per-step outputs (as vLLM's LLM.generate).
         plist = [dataclasses.replace(p, output_kind="final_only")
                  if isinstance(p, SamplingParams) and p.output_kind == "delta" else p for p in plist]
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+        except BaseException:
+            for rid in ids:  # none of this call's requests is left queued with nobody to collect it
+                self.abort_request(rid)
+            raise
         done: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         pending = set(ids)
         while pending and self.has_unfinished_requests():

@@ -74,15 +74,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: float32 [S, vocab], one row per request; returns one token id per row."""
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
             reqs = [requests[i] for i in rows]
             tokens[rows] = self._sample_random(logits[rows], reqs)
         return tokens.tolist()
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Sample rows with temperature > 0. Rows without top-k/top-p/min-p need no sort over the
-        vocabulary; only rows that filter pay for one."""
+        """Sample the rows that are not greedy (temperature >= GREEDY_BELOW). Rows without
+        top-k/top-p/min-p need no sort over the vocabulary; only rows that filter pay for one."""
         vocab = logits.shape[1]
         temp = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
         probs = (logits / temp[:, None]).softmax(dim=-1)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 OUTPUT_KINDS = ("delta", "final_only")
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a smaller one
+# overflows float32 to inf, and the softmax of that is NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -18,7 +22,7 @@ class StructuredOutputs:            # exactly one field set
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -38,6 +42,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one stop string as a plain str
             self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the request takes the argmax (temperature 0, or too small to divide by)."""
+        return self.temperature < GREEDY_BELOW
 
     def problems(self) -> list[str]:
         """Every invalid field with its value and the allowed range (empty when valid)."""
@@ -60,8 +69,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not count(k) or k < 0):
                 out.append(f"{name}={k!r} must be None (off) or an integer >= 0 (top-k alternatives)")
-        if not number(self.temperature) or self.temperature < 0:
-            out.append(f"temperature={self.temperature!r} must be a number >= 0")
+        if not number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            out.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not number(self.top_p) or not 0 < self.top_p <= 1:

@@ -101,6 +101,16 @@ def spec_error(so: StructuredOutputs) -> str | None:
     return None
 
 
+def _allows_any(matcher: Any, grammar: Any) -> bool:
+    """Whether the matcher's next-token mask allows any token (one fill, on a fresh matcher)."""
+    import xgrammar as xgr
+
+    vocab = grammar.tokenizer_info.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
+
+
 @dataclass(eq=False)
 class GrammarState:
     """A request's (or a sample's) grammar: the shared compile and its own matcher."""
@@ -128,9 +138,15 @@ class GrammarState:
                 return False
             try:
                 if self.stop_ids:
-                    self.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
+                    matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
                 else:  # no stop token: the grammar ends when it allows nothing more or the model ends it
-                    self.matcher = xgr.GrammarMatcher(grammar)
+                    matcher = xgr.GrammarMatcher(grammar)
+                if not matcher.is_completed() and not _allows_any(matcher, grammar):
+                    # Known before any prefill: a grammar whose language is empty (or that no token of
+                    # this vocabulary can begin) would otherwise fail after it, blaming its stop tokens.
+                    self.error = f"{self.kind} matches no text: it allows no first token; fix the {self.kind}"
+                else:
+                    self.matcher = matcher
             except Exception as exc:  # noqa: BLE001 - e.g. a stop id the grammar's vocabulary lacks
                 self.error = f"{self.kind} cannot start: {type(exc).__name__}: {exc}"
         return self.error is None
@@ -268,9 +284,12 @@ class StructuredOutputManager:
                 g.may_end = masks[j].clone()  # complete, could go on: the model decides (see verdict)
             elif ex and g.stop_ids:
                 # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
-                # complete: a token it needs is one of the request's stop_token_ids (or EOS).
-                g.error = (f"{g.kind} cannot continue: the tokens it needs next are stop tokens "
-                           f"{g.stop_ids}; remove them from stop_token_ids")
+                # complete: a token it needs is one of the request's own stop_token_ids (those are taken
+                # out of the grammar's vocabulary), or no token can continue it at all.
+                own = sorted(set(g.stop_ids).difference(self.eos_ids))
+                g.error = (f"{g.kind} cannot continue: no token of the vocabulary continues it here"
+                           + (f" (its stop_token_ids {own} are not text to it: remove them if it needs them)"
+                              if own else ""))
             elif ex:
                 g.exhausted = True
             elif st:

@@ -113,12 +113,13 @@ class Updater:
             ended = self.structured.verdict(req, token)
             if ended is not None:
                 return self.end(req, ended[0], now, ended[1])
+        # The grammar takes the token first: one it rejects (raises) never lands in the output.
+        grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
         req.output_token_ids.append(token)
         m = req.metrics
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
-        grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
         reason = self.output.take_token(req, token, grammar_ended)
         if reason is not None:
             self.finish(req, reason, now)

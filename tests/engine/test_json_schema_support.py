@@ -58,6 +58,12 @@ REFUSED = {
     "enum value 'a'": ({"type": "string", "enum": ["a", "bb"], "minLength": 2}, "a"),
     "const value 'abc'": ({"const": "abc", "maxLength": 1}, "abc"),
     "'minimum' beside 'anyOf'": ({"anyOf": [{"type": "integer"}], "minimum": 3}, 1),
+    "'format' together with 'maxLength'": ({"type": "string", "format": "date", "maxLength": 5}, "2024-01-01"),
+    "'format' together with 'minLength'": ({"type": "string", "format": "date", "minLength": 11}, "2024-01-01"),
+    "'format' together with 'pattern'": ({"type": "string", "format": "date", "pattern": "^1999-"}, "2024-01-01"),
+    "Lookahead is not supported": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "xyz"),
+    "'patternProperties' key": ({"type": "object", "patternProperties": {"^(?!x)[a-z]+$": {"type": "integer"}},
+                                 "additionalProperties": False}, {"xa": 1}),
 }
 
 

@@ -122,6 +122,33 @@ def test_duplicate_request_id_is_refused(path):
         eng.add_request([5, 6], GREEDY, request_id="x")
 
 
+def test_automatic_ids_skip_the_ids_a_caller_chose(path):
+    eng = make_engine(path)
+    eng.add_request([5, 6], GREEDY, request_id="0")
+    auto = eng.add_request([5, 6], GREEDY)  # was "0": refused as already in use
+    assert auto != "0"
+    eng.add_request([5, 7], GREEDY, request_id="3")
+    outs = eng.generate([[8, 9], [9, 8], [7, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(outs) == 3 and len({o.request_id for o in outs} | {"0", auto, "3"}) == 6
+
+
+def test_generate_leaves_nothing_queued_when_adding_its_requests_fails(path, monkeypatch):
+    eng = make_engine(path)
+    calls, original = [], eng.add_request
+
+    def add_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "add_request", add_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate([[5, 6], [6, 7], [7, 8]], GREEDY)
+    assert not eng.has_unfinished_requests() and not eng.requests  # the two added were aborted
+    assert eng.step() == []
+
+
 def test_aborting_a_refused_request_before_any_step_frees_its_id(path):
     # A job interrupted before its first step aborts what it added, refused requests included: their
     # id must be free for the resume and nothing left unfinished (found by tests/runner/test_fuzz_job.py).

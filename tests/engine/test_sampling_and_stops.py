@@ -44,6 +44,36 @@ def test_sampler_distribution_follows_temperature():
     assert torch.allclose(counts, expected, rtol=0.15)
 
 
+def test_temperatures_too_small_to_divide_by_sample_greedily():
+    # logits / 1e-40 overflows to inf and the softmax of that is NaN: the draw was token 0, every time.
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [4.0, 0.0, 1.0, 2.0]])
+    sampler = Sampler(seed=1, device=torch.device("cpu"))
+    for temperature in (1e-40, 1e-30, 1e-6):
+        for _ in range(20):
+            assert sampler.sample(logits, [_req(temperature=temperature), _req(temperature=temperature)]) == [1, 0]
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_params_are_the_requests_own_copy(tiny_hf_model_dir):
+    """A caller that reuses one SamplingParams (a new seed per request) or edits it after add_request
+    changes no queued request; before, every request ran with the last seed and unvalidated edits."""
+    path = tiny_hf_model_dir("qwen3")
+    p = random_prompt(10, seed=5)
+    alone = {s: make_engine(path).generate([p], SamplingParams(max_tokens=8, seed=s, ignore_eos=True))[0]
+             for s in (0, 1)}
+    eng = make_engine(path)
+    shared = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = {}
+    for s in (0, 1):
+        shared.seed = s
+        ids[s] = eng.add_request(p, shared)
+    shared.max_tokens, shared.logprobs = 40, -5  # after validation: must not reach the requests
+    done = run_to_completion(eng)
+    for s in (0, 1):
+        assert done[ids[s]].output_token_ids == alone[s].output_token_ids
+    assert alone[0].output_token_ids != alone[1].output_token_ids  # the seeds do differ
+
+
 def test_per_request_seed_is_reproducible_whatever_the_batch(tiny_hf_model_dir):
     path = tiny_hf_model_dir("qwen3")
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=123, ignore_eos=True)
@@ -164,6 +194,8 @@ def test_streamed_deltas_never_show_a_stop_string(tiny_hf_model_dir, stop):
     "params,needle",
     [
         (SamplingParams(temperature=None), "temperature=None"),
+        (SamplingParams(temperature=float("nan")), "temperature=nan"),  # nan > 0 is False: was greedy
+        (SamplingParams(temperature=float("inf")), "temperature=inf"),  # was a uniform draw
         (SamplingParams(top_k=None), "top_k=None"),
         (SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
         (SamplingParams(stop_token_ids=5), "stop_token_ids=5"),

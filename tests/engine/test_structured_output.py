@@ -404,6 +404,31 @@ def test_the_compile_cache_is_bounded(monkeypatch):
     assert mgr.num_compiles == 4 and len(mgr._cache) == 2
 
 
+def test_a_grammar_that_matches_nothing_fails_before_its_prefill_naming_itself(tiny_hf_model_dir):
+    """An empty language: before, it failed after its prefill blaming "stop tokens [EOS]", which the
+    user never listed and cannot remove."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    bad = eng.add_request([1, 2, 3], sampling(0.0, None, regex="[^\\x00-\\U0010FFFF]"))
+    good = eng.add_request([1, 2, 3], sampling(0.0, None, max_tokens=4, choice=["x"]))
+    done = run_to_completion(eng)
+    assert done[bad].finish_reason == "error" and "regex matches no text" in done[bad].error, done[bad].error
+    assert "stop" not in done[bad].error and done[bad].metrics.first_scheduled_time is None
+    assert done[good].text == "x"
+
+
+def test_a_token_the_grammar_rejects_never_reaches_the_output(tiny_hf_model_dir, monkeypatch):
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    rid = eng.add_request([1, 2, 3], sampling(0.0, None, max_tokens=8, choice=["yes", "no"]))
+
+    def reject(req, token):
+        raise RuntimeError(f"the choice grammar rejected token {token}")
+
+    monkeypatch.setattr(eng.updater.structured, "accept", reject)
+    out = run_to_completion(eng)[rid]
+    assert out.finish_reason == "error" and "rejected token" in out.error
+    assert out.output_token_ids == [] and out.text == ""  # before: the rejected token was in the text
+
+
 def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(tiny_hf_model_dir):
     """stop_token_ids holds "}" which the regex must end with: the grammar can never complete, so the
     request fails naming the collision instead of finishing "stop" with "{b" (before: "stop")."""
