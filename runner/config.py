@@ -23,6 +23,7 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 SOURCE_KINDS = ("parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch")
+COLUMN_KINDS = ("parquet", "arrow", "hf_dataset", "jsonl")  # the kinds whose rows come from named columns
 PROMPT_FORMATS = ("auto", "text", "chat", "tokens")
 ARRIVAL_PROCESSES = ("offline", "poisson", "gamma", "trace")
 CLOCKS = ("virtual", "wall")
@@ -245,6 +246,24 @@ def uses_load(w: WorkloadConfig) -> bool:
     return any(a.load is not None for a in procs)
 
 
+def _check_column_names(w: WorkloadConfig) -> None:
+    """No key names a column by an empty string (`key=` on the command line, or an unset shell variable
+    in `key=$VAR`): no column has that name, and an empty optional name must not pass as "none"."""
+    if w.kind not in COLUMN_KINDS:
+        return
+    if not w.prompt_column:
+        raise ConfigError("workload.prompt_column is empty: name the column holding the prompts "
+                          "(e.g. workload.prompt_column=question; the default is 'prompt')")
+    if w.arrivals.process == "trace" and not w.arrivals.column:
+        raise ConfigError("workload.arrivals.column is empty: name the column holding each row's arrival time "
+                          "(arrivals.process=trace; the default is 'arrival')")
+    optional = {"id_column": w.id_column, "class_column": w.class_column, "max_tokens_column": w.max_tokens_column}
+    for key, col in optional.items():
+        if col == "":
+            raise ConfigError(f"workload.{key} is empty: name a column, or leave it unset (null; "
+                              f"workload.{key}=null on the command line)")
+
+
 def check(job: JobConfig) -> None:
     """Every runner value that types alone do not catch, plus the engine's own validate()."""
     w = job.workload
@@ -259,6 +278,7 @@ def check(job: JobConfig) -> None:
     if w.kind != "synthetic" and not w.path:
         raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
     _check_arrivals("workload.arrivals", w.arrivals)
+    _check_column_names(w)
     if w.class_arrivals and not w.class_column:
         raise ConfigError("workload.class_arrivals needs workload.class_column (the column naming each row's class)")
     for name, a in w.class_arrivals.items():
