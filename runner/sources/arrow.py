@@ -9,6 +9,12 @@ import pyarrow as pa
 
 from runner.config import ConfigError, WorkloadConfig
 from runner.sources.base import Source, find_files, limit_total, resolve_path
+from runner.sources.columns import (
+    check_required_columns,
+    check_trace_order,
+    column_batches,
+    trace_order_columns,
+)
 from runner.sources.rows import Row
 from runner.sources.shard import Shard
 from runner.sources.utf8 import pylist
@@ -28,6 +34,14 @@ class ParquetSource(Source):
             raise ConfigError(f"workload.path={workload.path!r} is not readable as Parquet: {e}") from None
         self.check_columns(self.dataset.schema.names, repr(workload.path))
         self.check_column_types(self.dataset.schema, repr(workload.path))
+        if len(self.dataset.files) > 1:  # the dataset's schema is the first file's: check each file's own
+            for frag in self.dataset.get_fragments():
+                check_required_columns(workload, arrival_column, frag.physical_schema.names, repr(frag.path))
+                self.check_column_types(frag.physical_schema, repr(frag.path))
+        if arrival_column is not None:
+            cols = trace_order_columns(workload)
+            scanner = self.dataset.scanner(columns=cols, batch_size=65536, use_threads=False)
+            check_trace_order(workload, column_batches(scanner.to_batches(), cols), repr(workload.path))
         self.description = f"parquet {workload.path} ({len(self.dataset.files)} files)"
         self.num_rows = limit_total(self.dataset.count_rows(), workload.limit)
 
@@ -66,24 +80,35 @@ class ArrowSource(Source):
     def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
         super().__init__(workload, arrival_column, shard)
         self.files = find_files(resolve_path(workload.path), ARROW_SUFFIXES, "arrow")
-        schema = _open(self.files[0]).schema
-        self.check_columns(schema.names, repr(str(self.files[0])))
-        self.check_column_types(schema, repr(str(self.files[0])))
-        self.description = f"arrow {workload.path} ({len(self.files)} files)"
+        # As Parquet reads a directory: the first file's columns are the dataset's; every file must have the
+        # ones every row needs, and a file without an optional one reads it as null.
+        self.check_columns(_open(self.files[0]).schema.names, repr(str(self.files[0])))
         total = 0
         for f in self.files:
+            schema = _open(f).schema
+            check_required_columns(workload, arrival_column, schema.names, repr(str(f)))
+            self.check_column_types(schema, repr(str(f)))
             total += sum(b.num_rows for b in _iter_file(f))  # zero-copy: only headers are read
         self.num_rows = limit_total(total, workload.limit)
+        if arrival_column is not None:
+            cols = trace_order_columns(workload)
+            check_trace_order(workload, column_batches(self._batches(cols), cols), repr(workload.path))
+        self.description = f"arrow {workload.path} ({len(self.files)} files)"
+
+    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """Every file's batches with just `columns` (null where a file lacks one), memory-mapped."""
+        for f in self.files:
+            for b in _iter_file(f):
+                yield pa.RecordBatch.from_arrays(
+                    [b.column(c) if c in b.schema.names else pa.nulls(b.num_rows) for c in columns], names=columns)
 
     def read(self) -> Iterator[list[Row]]:
         bs = self.workload.batch_size
 
         def sliced() -> Iterator[pa.RecordBatch]:
-            for f in self.files:
-                for b in _iter_file(f):
-                    b = b.select(self.columns)
-                    for off in range(0, b.num_rows, bs):
-                        yield b.slice(off, bs)
+            for b in self._batches(self.columns):
+                for off in range(0, b.num_rows, bs):
+                    yield b.slice(off, bs)
 
         return self.arrow_rows(sliced())
 

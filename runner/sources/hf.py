@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from runner.config import ConfigError, WorkloadConfig
 from runner.sources.base import Source, limit_total, resolve_path
+from runner.sources.columns import check_trace_order, column_batches, trace_order_columns
 from runner.sources.rows import Row
 from runner.sources.shard import Shard
 
@@ -43,8 +45,20 @@ class HFDatasetSource(Source):
             except Exception as e:  # noqa: BLE001 - the first rows datasets could not read
                 raise ConfigError(_unreadable(workload, e)) from None
         self.check_columns(names, repr(workload.path))
+        if not self.streaming:  # only a saved dataset's types are the data's own (a stream's are guessed)
+            self.check_column_types(ds.features.arrow_schema, repr(workload.path))
         self.dataset = ds.select_columns(self.columns)
+        if arrival_column is not None:
+            self._check_trace_order(ds)
         self.description = f"hf_dataset {workload.path}" + (" (streaming)" if self.streaming else "")
+
+    def _check_trace_order(self, ds: Any) -> None:
+        """The trace column alone (memory-mapped when saved; a stream is read through once)."""
+        cols = trace_order_columns(self.workload)
+        batches = ds.select_columns(cols).with_format("arrow").iter(batch_size=65536)
+        if self.streaming:
+            batches = self._guarded(batches)
+        check_trace_order(self.workload, column_batches(batches, cols), repr(self.workload.path))
 
     def _pick_split(self, splits: list[str]) -> str:
         w = self.workload
