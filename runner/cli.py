@@ -22,7 +22,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config import CONF_DIR, ConfigError, register_configs
 
@@ -60,6 +60,17 @@ def release_frames(error: BaseException) -> None:
         pending += [e.__cause__, e.__context__, *(e.exceptions if isinstance(e, BaseExceptionGroup) else ())]
 
 
+def _check_sweep_resume(out_dir: Path, cfg: DictConfig) -> None:
+    """Refuse a sweep job whose directory holds another setting's rows (runner/resume.check_sweep_resume)."""
+    from runner.resume import check_sweep_resume
+
+    try:
+        config_yaml, resume = OmegaConf.to_yaml(cfg, resolve=True), bool(cfg.output.resume)
+    except Exception:  # noqa: BLE001 - a config that does not resolve: run_job reports it as what it is
+        return
+    check_sweep_resume(out_dir, config_yaml, resume)
+
+
 def _written_since(path: Path, started: float) -> bool:
     """Whether this job wrote `path` (a run directory reused from an earlier sweep holds an older one)."""
     try:
@@ -84,6 +95,7 @@ def _main(cfg: DictConfig) -> None:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
         if hc.mode == RunMode.MULTIRUN:
             shared = Path(hc.sweep.dir) / "calibration.json"
+            _check_sweep_resume(out_dir, cfg)
         result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr

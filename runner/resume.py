@@ -1,7 +1,8 @@
 """Resume: what earlier runs into a run directory already wrote, so this run skips it.
 
 Before a run writes, its directory is made consistent (`prepare_run_dir`): a finished-but-unrenamed
-`.tmp` replaces its file, a cut-off one is dropped, and without `output.resume` everything is removed.
+`.tmp` replaces its file and a cut-off one is dropped. Without `output.resume` the previous files stay
+until this run's replace them (runner/writer.py): a run that fails before writing loses nothing.
 `ResumeState.read` then reads generations.parquet back: per id, the samples already written, as a bit
 mask (bit k: sample k; one int per id, as compact as the set of ids it replaces), and the (id, index)
 of a repeated id's error rows. The request reader skips what is done and the samples already written.
@@ -18,8 +19,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 from omegaconf import OmegaConf
 
-from runner.calibration import CALIBRATION
-from runner.config import OutputConfig
+from runner.config import ConfigError, OutputConfig
 from runner.sinks import (
     GENERATIONS,
     STEPS,
@@ -28,6 +28,7 @@ from runner.sinks import (
     read_config_yaml,
     recover,
     sample_indices,
+    tmp_path,
 )
 from runner.sources.rows import is_duplicate_id_error
 
@@ -87,9 +88,9 @@ class ResumeState:
     def read(cls, gen_path: Path, steps_path: Path, output: OutputConfig) -> ResumeState:
         """An error row's sample counts as written; an id whose only row is an error at sample 0 with no
         token is ERRORED. Any other error row is that sample's alone."""
+        if not output.resume:  # starting over: this run's files will hold its rows alone
+            return cls()
         state = cls(attempt=max(previous_attempts(gen_path), previous_attempts(steps_path)))
-        if not output.resume:
-            return state
         failed_early: set[str] = set()  # ids with an error row at sample 0 that drew no token
         for t in previous_batches(gen_path, True, output.retry_errors):
             errs = pc.fill_null(pc.equal(t.column("finish_reason"), "error"), False).to_pylist()
@@ -113,36 +114,69 @@ class ResumeState:
 
 
 def prepare_run_dir(out: Path, output: OutputConfig, config_yaml: str) -> ResumeState:
-    """Make the run directory's files the latest complete ones (or remove them when not resuming) and
-    read what they hold."""
+    """Make the run directory's files the latest complete ones and read what they hold (nothing when not
+    resuming: the files are left as they are until this run's replace them)."""
     gen_path, steps_path = out / GENERATIONS, out / STEPS
     for p in (gen_path, steps_path):
         recover(p)
-        if not output.resume and p.exists():
-            p.unlink()
-    if not output.resume:
-        (out / CALIBRATION).unlink(missing_ok=True)
-    else:
-        _warn_if_config_changed(out, config_yaml)
+    if output.resume and (changed := config_changes(read_config_yaml(gen_path), config_yaml)):
+        log.warning("resuming into %s, whose rows were made with other settings (%s); use a new hydra.run.dir "
+                    "(or output.resume=false) to start over", out, describe_changes(changed))
     state = ResumeState.read(gen_path, steps_path, output)
     if state.done:
         log.info("resuming into %s: %d requests already done, attempt %d", out, len(state.done), state.attempt)
     return state
 
 
-def _warn_if_config_changed(out: Path, config_yaml: str) -> None:
-    """Resuming with another model, sampling or dataset mixes rows of two experiments: say so."""
-    previous = read_config_yaml(out / GENERATIONS)
-    if not previous:
+# What may differ between the runs into one directory: how rows are written, and how many are read
+# (a higher workload.limit is what resuming is for). Anything else changes what the rows hold (tokens,
+# or the timings and steps: chunking, cache, threads, executor...).
+RESUMABLE_CHANGES = ("output", "workload.limit", "workload.batch_size")
+_ABSENT = object()
+
+
+def config_changes(previous_yaml: str | None, config_yaml: str) -> dict[str, tuple[object, object]]:
+    """key -> (previous value, this run's) for every dotted key of the resolved job config that differs,
+    except RESUMABLE_CHANGES; empty when there is no previous config."""
+    if not previous_yaml:
+        return {}
+    old, new = (_flat(OmegaConf.to_container(OmegaConf.create(y))) for y in (previous_yaml, config_yaml))
+    return {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, _ABSENT) != new.get(k, _ABSENT)
+            and not any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
+
+
+def describe_changes(changed: dict[str, tuple[object, object]], most: int = 4) -> str:
+    def shown(v: object) -> str:
+        return "unset" if v is _ABSENT else repr(v)
+
+    parts = [f"{k}: {shown(a)} -> {shown(b)}" for k, (a, b) in list(changed.items())[:most]]
+    return ", ".join(parts) + (f" and {len(changed) - most} more" if len(changed) > most else "")
+
+
+def _flat(node: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def check_sweep_resume(out: Path, config_yaml: str, resume: bool) -> None:
+    """A multirun numbers its job directories by position: the same hydra.sweep.dir swept again with other
+    values would resume one setting's rows under another's name (its report then mislabels both). Refuse
+    it before anything runs; a sweep resumed with its own command passes."""
+    if not resume:
         return
-    old, new = OmegaConf.create(previous), OmegaConf.create(config_yaml)
-    for c in (old, new):
-        for key in ("limit", "batch_size"):  # changing how much is read is what resuming is for
-            c.workload.pop(key, None)
-    changed = [k for k in ("model", "sampling", "workload") if old.get(k) != new.get(k)]
+    gen = out / GENERATIONS
+    previous = read_config_yaml(gen) or read_config_yaml(tmp_path(gen))
+    changed = config_changes(previous, config_yaml)
     if changed:
-        log.warning("resuming into %s, whose rows were made with a different %s config; "
-                    "use a new hydra.run.dir (or output.resume=false) to start over", out, "/".join(changed))
+        raise ConfigError(
+            f"{out} holds the rows of a sweep run with other settings ({describe_changes(changed)}); a sweep's job "
+            f"directories are numbered by position, so resuming would mix two settings' rows: sweep into a new "
+            f"hydra.sweep.dir, or set output.resume=false to start these runs over")
 
 
 def resume_command(out_dir: Path, overrides: list[str]) -> str:

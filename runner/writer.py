@@ -28,7 +28,7 @@ from runner.text import clean_str
 class RunWriter:
     def __init__(self, out: Path, output: OutputConfig, config_yaml: str, attempt: int) -> None:
         self.attempt = attempt
-        self.retry_errors = output.retry_errors
+        self.resume, self.retry_errors = output.resume, output.retry_errors
         # The resolved config, in each file's schema metadata (a path from the command line may hold
         # bytes that are not UTF-8: cleaned like any text the job writes).
         meta = {CONFIG_KEY: clean_str(config_yaml).encode()}
@@ -43,11 +43,13 @@ class RunWriter:
         self.rows_before = 0  # generations rows the previous runs left
 
     def copy_previous(self) -> None:
-        """Start each file with the previous runs' rows (unique; errored ones dropped with retry_errors)."""
-        for t in previous_batches(self.gen.path, True, self.retry_errors):
-            self.gen.write_table(t)
-        for t in previous_batches(self.steps.path, False):
-            self.steps.write_table(t)
+        """Start each file with the previous runs' rows (unique; errored ones dropped with retry_errors); none
+        when not resuming: this run's files then replace theirs when they close."""
+        if self.resume:
+            for t in previous_batches(self.gen.path, True, self.retry_errors):
+                self.gen.write_table(t)
+            for t in previous_batches(self.steps.path, False):
+                self.steps.write_table(t)
         self.copied = True
         self.rows_before = self.gen.rows_written
 

@@ -66,6 +66,8 @@ class Local(Executor):
         threads = self._load_engine(job)
         source.vocab_size = vocab_size(self.engine)
         calibration = None
+        if not job.output.resume:  # starting over times the model again (removed only now that it loaded)
+            (out / CALIBRATION).unlink(missing_ok=True)
         if uses_load(job.workload):  # arrival rates relative to this machine: time the model first
             from runner.calibration import shared_calibration
 

@@ -135,8 +135,12 @@ def test_resume_with_another_config_warns(tmp_path, caplog):
     assert "different" not in caplog.text  # reading further is what resuming is for
     run_job(compose_cfg("workload=parquet", f"workload.path={src}", "sampling.max_tokens=2"), out,
             engine=FakeEngine())
-    assert "different sampling config" in caplog.text
+    assert "other settings (sampling.max_tokens: 4 -> 2)" in caplog.text
     check_run(out, expected_ids=["0", "1", "2"])
+    caplog.clear()  # engine settings change the rows too (before: only model, sampling, workload were compared)
+    run_job(compose_cfg("workload=parquet", f"workload.path={src}", "sampling.max_tokens=2", "chunking.size=64"),
+            out, engine=FakeEngine())
+    assert "chunking.size: " in caplog.text and "-> 64" in caplog.text
 
 
 @pytest.mark.parametrize("workload", ["synthetic", "baseline", "continuous_batching", "paged_attention",
