@@ -43,14 +43,19 @@ class Arrivals:
                 raise ArrivalError(f"arrival column {c.column!r} is null")
             try:
                 t = float(trace_value) * self._scale
-            except (TypeError, ValueError):
-                raise ArrivalError(f"arrival column {c.column!r} holds {trace_value!r}, not a number") from None
+            except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
+                raise ArrivalError(f"arrival column {c.column!r} holds {_short(trace_value)}, not a number") from None
             if not np.isfinite(t) or t < 0:
                 raise ArrivalError(f"arrival column {c.column!r} holds {trace_value!r}: must be a finite time >= 0")
             return c.start + t
         if c.process in ("poisson", "gamma"):
             self._t += self.gap()
         return c.start + self._t
+
+
+def _short(value: object, most: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 def arrival_times(cfg: ArrivalConfig, n: int, rate: float | None = None) -> np.ndarray:

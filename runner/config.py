@@ -275,6 +275,9 @@ def check(job: JobConfig) -> None:
     if w.kind == "openai_batch" and job.executor.kind != "local":
         raise ConfigError("workload=openai_batch runs with executor=local only (its output file is written "
                           "from one run directory)")
+    if w.kind == "openai_batch" and w.arrivals.process == "trace":  # its lines have no arrival column
+        raise ConfigError("workload.arrivals.process=trace needs an arrival column, which workload=openai_batch "
+                          "lines do not have: use offline, poisson or gamma")
     if w.kind != "synthetic" and not w.path:
         raise ConfigError(f"workload.path is not set for workload.kind={w.kind}: add workload.path=<file or directory>")
     _check_arrivals("workload.arrivals", w.arrivals)

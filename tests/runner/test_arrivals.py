@@ -35,7 +35,7 @@ def test_trace_units_and_errors():
     a = Arrivals(ArrivalConfig(process="trace", unit="ms", start=1.0))
     assert a.next(250) == pytest.approx(1.25)
     assert a.next(0) == 1.0  # a trace need not be sorted
-    for bad in (None, "soon", -1, float("nan")):
+    for bad in (None, "soon", -1, float("nan"), 10**400):  # 10**400: float() overflows (crashed the job)
         with pytest.raises(ArrivalError):
             a.next(bad)
     assert Arrivals(ArrivalConfig(process="trace")).next("2.5") == 2.5

@@ -83,6 +83,8 @@ def test_wrong_key_or_type_fails_at_compose(override, key):
     (["cache.backend=ring"], "cache.backend"),
     (["sampling.top_p=0"], "top_p"),
     (["max_pending=2"], "max_pending"),
+    (["workload=openai_batch", "workload.path=x.jsonl", "workload.arrivals.process=trace"],
+     "trace needs an arrival column"),  # was accepted: every line became an error row
 ])
 def test_invalid_values_name_the_key(overrides, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):

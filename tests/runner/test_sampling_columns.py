@@ -71,7 +71,7 @@ def test_columns_override_the_config_defaults_row_by_row(tmp_path):
 
 @pytest.mark.parametrize("column,value,fragment", [
     ("temperature", float("nan"), "holds nan, which must be a finite number"),
-    ("temperature", -1.0, "temperature=-1.0 must be a number >= 0"),
+    ("temperature", -1.0, "temperature=-1.0 must be a finite number >= 0"),
     ("seed", 1.5, "holds 1.5, which must be an integer"),
     ("max_tokens", True, "holds True, which must be an integer, not a boolean"),
     ("n", 0, "n=0 must be an integer >= 1"),
