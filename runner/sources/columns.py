@@ -205,7 +205,7 @@ def check_trace_order(workload: WorkloadConfig, batches: Iterable[dict[str, Any]
         with np.errstate(invalid="ignore"):
             keep = np.isfinite(t) & (t >= 0)
         if own:
-            keep &= np.array([v is not None and str(v) in own for v in _pylist(batch[workload.class_column])[: len(t)]],
+            keep &= np.array([v is None or str(v) not in own for v in _pylist(batch[workload.class_column])[: len(t)]],
                              dtype=bool)
         times, rows = t[keep], rows[keep]
         if times.size:

@@ -223,6 +223,11 @@ def test_rows_of_classes_with_their_own_arrivals_do_not_count(tmp_path):
     w.class_arrivals = {}
     with pytest.raises(ConfigError, match="row 2"):
         open_source(w)
+    # The trace's own rows are still checked among themselves (the other class's rows left out).
+    path = unsorted("parquet", tmp_path, [5.0, 9.0, 1.0], cls=["a", "doc", "a"])
+    w = trace("parquet", path, class_column="cls", class_arrivals={"doc": ArrivalConfig(process="poisson")})
+    with pytest.raises(ConfigError, match=r"row 2 \(from 0\) arrives at 1 s, before row 0 at 5 s"):
+        open_source(w)
 
 
 def test_check_trace_order_takes_python_values():
