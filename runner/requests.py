@@ -1,8 +1,9 @@
 """The source's rows as requests: token ids, sampling params, an arrival time, or the row's error.
 
 Rows are read a batch at a time. A row becomes an error request (written at once, never run) when it
-cannot be read, its prompt cannot be encoded, its sampling values or arrival time are bad, or its id
-repeats an earlier row's (then it is an error row of its own, told apart on resume by its message).
+cannot be read, its prompt cannot be encoded, its sampling values or arrival time are bad, its id is
+null (an id column's: the source made the row's error), or its id repeats an earlier row's (then it is
+an error row of its own, told apart on resume by its message).
 Rows a previous run finished are skipped (`ResumeState`), but still draw their arrival time, so the
 other rows arrive when they would have in an uninterrupted run.
 """
@@ -22,6 +23,7 @@ from runner.prompts import Encoded, encode_prompt
 from runner.resume import ResumeState
 from runner.sampling import base_params, row_params
 from runner.sources import Row, Source
+from runner.sources.base import row_failure
 from runner.sources.rows import duplicate_id_error, is_duplicate_id_error
 
 
@@ -75,6 +77,8 @@ class Requests:
                 arrival = streams.next(row.klass, row.arrival)
             except ArrivalError as e:
                 arrival, error = math.nan, error or str(e)
+            except Exception as e:  # noqa: BLE001 - a value nothing foresaw (a 400-digit time): this row's error
+                arrival, error = math.nan, error or row_failure("this row's arrival time", e)
             if row.index in done:
                 self.resumed += 1
                 continue
@@ -98,16 +102,24 @@ class Requests:
                 self.seen.add(row.id)
         return repeats
 
+    # The per-row work never raises: whatever a row holds, an exception is that row's error and the
+    # rows beside it run (the functions below already turn every failure they know into a message).
     def _encode(self, row: Row) -> Encoded:
         w = self.workload
-        return encode_prompt(row.prompt, w.prompt_format, self.tokenizer, w.chat_template, w.prompt_column,
-                             w.chat_template_kwargs)
+        try:
+            return encode_prompt(row.prompt, w.prompt_format, self.tokenizer, w.chat_template, w.prompt_column,
+                                 w.chat_template_kwargs)
+        except Exception as e:  # noqa: BLE001
+            return Encoded(None, None, row_failure(f"the prompt (column {w.prompt_column!r})", e))
 
     def _params(self, row: Row) -> tuple[SamplingParams, str | None]:
         values = dict(row.sampling or {})
         if row.max_tokens is not None:
             values.setdefault("max_tokens", row.max_tokens)
-        return row_params(self.base, values, self.value_names, row.index)
+        try:
+            return row_params(self.base, values, self.value_names, row.index)
+        except Exception as e:  # noqa: BLE001
+            return self.base, row_failure("this row's sampling values", e)
 
     def _resolve_rates(self, batch: list[Row], encoded: dict[int, Encoded]) -> None:
         lengths: dict[str | None, list[int]] = {}

@@ -9,7 +9,6 @@ value; it never stops the job.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from decimal import Decimal
@@ -19,6 +18,7 @@ import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from engine.sampling_params import SamplingParams, StructuredOutputs
+from runner.text import TooDeep, check_depth, load_json
 
 STRUCTURED_KEYS = ("json_schema", "regex", "choice", "grammar")
 INT_KEYS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
@@ -87,10 +87,9 @@ def as_schema(value: Any) -> dict:
     """A JSON schema: a mapping, or JSON text of one (`true` is the schema that accepts anything)."""
     value = _plain(value)
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise BadValue(f"is not valid JSON ({e})") from None
+        value = _load(value)
+    else:  # a mapping (a JSONL object, an Arrow struct) goes to recursive walks as text would
+        _check_depth(value)
     if value is True:  # the engine takes objects only; {} is the same schema
         return {}
     if value is False:
@@ -98,6 +97,22 @@ def as_schema(value: Any) -> dict:
     if isinstance(value, dict):
         return value
     raise BadValue("must be a JSON schema: an object, or its JSON text")
+
+
+def _load(text: str) -> Any:
+    try:
+        return load_json(text)
+    except TooDeep as e:
+        raise BadValue(f"is {e}") from None
+    except ValueError as e:
+        raise BadValue(f"is not valid JSON ({e})") from None
+
+
+def _check_depth(value: Any) -> None:
+    try:
+        check_depth(value)
+    except TooDeep as e:
+        raise BadValue(f"is {e}") from None
 
 
 def as_text(value: Any) -> str:
@@ -110,8 +125,10 @@ def as_choice(value: Any) -> list[str]:
     value = _plain(value)
     if isinstance(value, str):  # a JSON list in a text column
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+            value = load_json(value)
+        except TooDeep as e:
+            raise BadValue(f"is {e}") from None
+        except ValueError:
             raise BadValue("must be a list of strings (or its JSON text)") from None
     if isinstance(value, (list, tuple, np.ndarray)) and len(value) and all(isinstance(x, str) for x in value):
         return list(value)

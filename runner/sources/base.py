@@ -7,6 +7,7 @@ column batches -> rows (`rows_from_columns`, `numbered`, `arrow_rows`) and findi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from runner.sources.columns import check_column_types, check_columns, read_colum
 from runner.sources.rows import Row, clean_row, klass
 from runner.sources.shard import Shard
 from runner.sources.utf8 import pylist
+from runner.text import clean_str
 
 
 class Source:
@@ -68,7 +70,7 @@ class Source:
     def batches(self) -> Iterator[list[Row]]:
         """The rows, every string in them encodable as UTF-8 (runner/text.py), whatever the kind."""
         rows = self.read() if self.shard is None else self.shard.take(self.read())
-        return ([clean_row(row) for row in batch] for batch in rows)
+        return ([clean_or_error(row) for row in batch] for batch in rows)
 
     def read(self) -> Iterator[list[Row]]:
         """The rows in source order, in batches of about workload.batch_size (the kind's reader)."""
@@ -91,11 +93,12 @@ class Source:
         out = []
         for i in range(len(cols[c.prompt_column])):
             index = start + i
-            rid = ids[i] if ids is not None else None
+            rid = ids[i] if ids is not None else None  # None too where a file of a directory lacks the column
             values = {key: v[i] for key, v in sampling.items()}
-            out.append(Row(index=index, id=str(index) if rid is None else str(rid), prompt=cols[c.prompt_column][i],
+            error = null_id_error(c.id_column) if c.id_column and is_null_id(rid) else None
+            out.append(Row(index=index, id=row_id(rid, index, c.id_column), prompt=cols[c.prompt_column][i],
                            max_tokens=values.get("max_tokens"), arrival=arr[i] if arr is not None else None,
-                           klass=None if cls is None else klass(cls[i]), sampling=values or None))
+                           klass=None if cls is None else klass(cls[i]), sampling=values or None, error=error))
         return out
 
     def numbered(self, batches: Iterator[dict[str, list]]) -> Iterator[list[Row]]:
@@ -117,6 +120,42 @@ class Source:
         """Arrow record batches (or tables) as rows (see `numbered`)."""
         cols = self.columns
         return self.numbered({name: pylist(b.column(name)) for name in cols} for b in batches)
+
+
+def row_id(value: Any, index: int, id_column: str | None) -> str | None:
+    """A row's id: its id column's value as text; the row index when no id column is set. A null id
+    is None (the row's error, `null_id_error`): the index would take an id another row may hold."""
+    if not id_column:
+        return str(index)
+    return None if is_null_id(value) else str(value)
+
+
+def is_null_id(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))  # NaN: pandas' null
+
+
+def null_id_error(column: str, missing: bool = False) -> str:
+    where = f"(this line has no key {column!r})" if missing else f"in column {column!r}"
+    return (f"id is {'missing' if missing else 'null'} {where}; give every row an id, or unset "
+            "workload.id_column to number the rows by position")
+
+
+def clean_or_error(row: Row) -> Row:
+    """The row cleaned (runner/text.py), or, if its values defeat that, an error row of its own: one
+    row never stops the job."""
+    try:
+        return clean_row(row)
+    except Exception as e:  # noqa: BLE001 - whatever the value, it is this row's error
+        return Row(index=row.index, id=None if row.id is None else clean_str(str(row.id)), prompt=None,
+                   error=row_failure("this row's values", e))
+
+
+def row_failure(what: str, exc: BaseException) -> str:
+    """A row's error for an exception nothing before foresaw (the job's backstop: the row is lost,
+    never the job)."""
+    if isinstance(exc, RecursionError):
+        return f"{what} could not be processed: nested too deeply (RecursionError); flatten them"
+    return f"{what} could not be processed: {type(exc).__name__}: {exc}"
 
 
 def resolve_path(path: str) -> Path:

@@ -12,9 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.config import WorkloadConfig
-from runner.sources.base import Source, find_files, limit_total, resolve_path
+from runner.sources.base import (
+    Source,
+    find_files,
+    is_null_id,
+    limit_total,
+    null_id_error,
+    resolve_path,
+    row_id,
+)
 from runner.sources.rows import Row, batched, klass
 from runner.sources.shard import Shard
+from runner.text import TooDeep, load_json
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -67,8 +76,8 @@ def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
         if not (first or b"\\u" in raw or any(needles[k] in raw for k in missing)):
             continue
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            obj = load_json(raw)
+        except ValueError:  # not JSON, not UTF-8 (a UnicodeDecodeError), nested too deeply: that row's error
             continue
         if isinstance(obj, dict):
             first = False
@@ -95,15 +104,24 @@ class JsonlSource(Source):
     def _row(self, line: Line) -> Row:
         c = self.workload
         try:
-            obj = json.loads(line.raw)
+            obj = load_json(line.raw)
             if not isinstance(obj, dict):
                 raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+        except TooDeep as e:
+            return self._bad_line(line, f"{line.path.name} line {line.lineno} is {e}")
         except (ValueError, TypeError) as e:
-            return Row(index=line.index, id=str(line.index), prompt=None,
-                       error=f"{line.path.name} line {line.lineno} is not a JSON object: {e}")
+            return self._bad_line(line, f"{line.path.name} line {line.lineno} is not a JSON object: {e}")
         rid = obj.get(c.id_column) if c.id_column else None
         values = {k: obj.get(col) for k, col in self.sampling_columns.items()}
-        return Row(index=line.index, id=str(line.index) if rid is None else str(rid),
+        error = None
+        if c.id_column and is_null_id(rid):  # never the row index: that may be another row's id
+            error = null_id_error(c.id_column, missing=c.id_column not in obj)
+        return Row(index=line.index, id=row_id(rid, line.index, c.id_column), error=error,
                    prompt=obj.get(c.prompt_column), max_tokens=values.get("max_tokens"),
                    arrival=obj.get(self.arrival_column) if self.arrival_column else None,
                    klass=klass(obj.get(c.class_column)) if c.class_column else None, sampling=values or None)
+
+    def _bad_line(self, line: Line, error: str) -> Row:
+        """An unreadable line: with an id column it has no id (which no other row's id can be)."""
+        return Row(index=line.index, id=None if self.workload.id_column else str(line.index), prompt=None,
+                   error=error)

@@ -18,7 +18,6 @@ The output file is written by runner/batch_output.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,12 +26,12 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from runner.config import WorkloadConfig
-from runner.sources.base import Source, limit_total
+from runner.sources.base import Source, limit_total, row_failure
 from runner.sources.jsonl import count_lines, jsonl_files, read_lines
 from runner.sources.openai_body import BadLine, body_sampling, format_defaults
 from runner.sources.rows import Row, batched, duplicate_id_error
 from runner.sources.shard import Shard
-from runner.text import clean
+from runner.text import TooDeep, clean, load_json
 
 log = logging.getLogger("ladle")
 
@@ -75,8 +74,10 @@ def _content(m: Any, i: int) -> dict[str, str]:
 def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
     """One input line as a BatchLine (never raises; `seen` collects the custom_ids so far)."""
     try:
-        obj = clean(json.loads(text))  # where its strings enter: runner/text.py's rule
-    except json.JSONDecodeError as e:
+        obj = clean(load_json(text))  # where its strings enter: runner/text.py's rule
+    except TooDeep as e:
+        return BatchLine(lineno, None, error=f"line {lineno} is {e}")
+    except ValueError as e:
         return BatchLine(lineno, None, error=f"line {lineno} is not valid JSON: {e}")
     if not isinstance(obj, dict):
         return BatchLine(lineno, None, error=f"line {lineno} is a JSON {type(obj).__name__}, not an object")
@@ -93,6 +94,9 @@ def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
         _parse_request(obj, line)
     except BadLine as e:
         line.error = f"line {lineno} (custom_id {cid!r}): {e}"
+        line.prompt = None
+    except Exception as e:  # noqa: BLE001 - a body nothing above foresaw is this line's error, not the batch's
+        line.error = f"line {lineno} (custom_id {cid!r}): {row_failure('its body', e)}"
         line.prompt = None
     return line
 
