@@ -53,7 +53,10 @@ class InputProcessor:
             # The request's own copy: a caller that reuses one object for several requests (changing
             # its seed between them) or edits it later must not change a queued request, nor skip the
             # validation below (vLLM clones the params too).
-            params = copy.deepcopy(params)
+            try:
+                params = copy.deepcopy(params)
+            except Exception as exc:  # noqa: BLE001 - e.g. a schema nested past the recursion limit
+                error = error or f"invalid sampling params: they cannot be copied ({type(exc).__name__}: {exc})"
         if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
             params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))

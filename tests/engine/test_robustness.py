@@ -132,6 +132,24 @@ def test_automatic_ids_skip_the_ids_a_caller_chose(path):
     assert len(outs) == 3 and len({o.request_id for o in outs} | {"0", auto, "3"}) == 6
 
 
+def test_params_that_cannot_be_copied_are_the_requests_error(path):
+    """add_request copies the params; a schema nested past the recursion limit made the copy raise out of
+    add_request (a runner job then died on that row)."""
+    from engine.sampling_params import StructuredOutputs
+
+    deep: dict = {}
+    node = deep
+    for _ in range(50_000):
+        node["items"] = {}
+        node = node["items"]
+    eng = make_engine(path)
+    bad = eng.add_request([5, 6], SamplingParams(structured=StructuredOutputs(json_schema=deep)))
+    good = eng.add_request([5, 6], GREEDY)
+    done = run_to_completion(eng)
+    assert done[bad].finish_reason == "error" and "cannot be copied" in done[bad].error
+    assert done[good].finish_reason == "length"
+
+
 def test_generate_leaves_nothing_queued_when_adding_its_requests_fails(path, monkeypatch):
     eng = make_engine(path)
     calls, original = [], eng.add_request
