@@ -25,6 +25,8 @@ def duplicate_indices(w: WorkloadConfig, routing: Routing) -> dict[int, set[int]
     dups: dict[int, set[int]] = {}
     for batch in open_source(only_ids).batches():
         for r in batch:
+            if r.id is None:  # a null id is its own row's error already, and no other row's duplicate
+                continue
             if r.id in seen:
                 dups.setdefault(routing.owner(r.index), set()).add(r.index)
             seen.add(r.id)

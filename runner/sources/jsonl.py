@@ -21,6 +21,7 @@ from runner.sources.base import (
     resolve_path,
     row_id,
 )
+from runner.sources.columns import check_trace_order, trace_order_columns
 from runner.sources.rows import Row, batched, klass
 from runner.sources.shard import Shard
 from runner.text import TooDeep, load_json
@@ -86,6 +87,24 @@ def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
     return list(seen)
 
 
+def trace_batches(files: list[Path], workload: WorkloadConfig, size: int = 4096) -> Iterator[dict[str, list]]:
+    """The columns `check_trace_order` reads, as lists of the lines' values (None where a line is no object)."""
+    cols = trace_order_columns(workload)
+    batch: dict[str, list] = {c: [] for c in cols}
+    for line in read_lines(files, workload.limit):
+        try:
+            obj = load_json(line.raw)
+        except ValueError:  # not JSON, not UTF-8, nested too deeply: that row's error, no time
+            obj = None
+        for c in cols:
+            batch[c].append(obj.get(c) if isinstance(obj, dict) else None)
+        if len(batch[cols[0]]) == size:
+            yield batch
+            batch = {c: [] for c in cols}
+    if batch[cols[0]]:
+        yield batch
+
+
 class JsonlSource(Source):
     """One object per line; its keys are the columns (a column is present when any line has it)."""
 
@@ -94,6 +113,8 @@ class JsonlSource(Source):
         self.files = jsonl_files(workload)
         where = str(self.files[0]) if len(self.files) == 1 else f"the {len(self.files)} files in {workload.path}"
         self.check_columns(keys_seen(self.files, self.columns), f"any line of {where}")
+        if arrival_column is not None:  # the loop relies on a trace's order: every line is parsed once, now
+            check_trace_order(workload, trace_batches(self.files, workload), where)
         self.description = f"jsonl {workload.path} ({len(self.files)} files)"
         self.num_rows = limit_total(count_lines(self.files), workload.limit)
 

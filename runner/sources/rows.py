@@ -13,7 +13,7 @@ from runner.text import clean, clean_str
 class Row:
     index: int  # position in the source, from 0
     id: str | None  # the id column's value, else str(index); None: a row with no id of its own (a batch line
-    # without a usable custom_id), told apart by its index
+    # without a usable custom_id, a null or missing id in workload.id_column: an error row), told apart by its index
     prompt: Any  # str | list[dict] | list[int] | None
     max_tokens: Any = None  # the max_tokens column's raw value, or a synthetic row's draw (None: the default)
     arrival: Any = None  # the trace column's raw value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import json
 import re
 
 import pyarrow as pa
@@ -188,6 +189,15 @@ def test_an_unsorted_trace_is_a_config_error_naming_the_row(tmp_path, kind):
     with pytest.raises(ConfigError, match=r"arrivals.column='arrival' in .* is not in arrival order: row 2 \(from 0\) "
                                           r"arrives at 0 s, before row 1 at 10 s.*sort the dataset by 'arrival'"):
         open_source(trace(kind, path))
+
+
+def test_an_unsorted_jsonl_trace_is_a_config_error_naming_the_row(tmp_path):
+    lines = [{"prompt": "a", "arrival": 10}, "not json", {"prompt": "b", "arrival": 10.5},
+             {"prompt": "c", "arrival": "2"}]
+    (tmp_path / "t.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(ConfigError, match=r"row 3 \(from 0\) arrives at 2 s, before row 2 at 10.5 s"):
+        open_source(trace("jsonl", str(tmp_path / "t.jsonl")))
+    assert len(read_all(trace("jsonl", str(tmp_path / "t.jsonl"), limit=3))) == 3  # the rows read are in order
 
 
 @pytest.mark.parametrize("kind", ["parquet", "arrow"])
