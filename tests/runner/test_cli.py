@@ -18,6 +18,7 @@ FAST = ["sampling.max_tokens=3", "output.progress=false", "max_num_seqs=4", "cac
 
 
 ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ROOT / "runner" / "data" / "prompts.parquet"  # the sample workload's file
 
 
 def ladle(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -212,14 +213,27 @@ def test_a_sweep_that_stops_at_a_failed_job_still_reports_the_runs_that_finished
     """Hydra skips its end-of-sweep callbacks when a job fails, so the sweep report was lost with every run
     that had finished; the CLI writes it of those runs, then exits as the failed job did."""
     sweep = tmp_path / "sweep"
-    p = ladle("--multirun", "workload.limit=3,-1", f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST,
-              cwd=tmp_path)
-    assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
+    # A missing file is found when the job opens it (its config alone is valid: the sweep's check passes).
+    p = ladle("--multirun", f"workload.path={PROMPTS},{tmp_path / 'missing.parquet'}", "workload.limit=3",
+              f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 2 and "does not exist" in p.stderr, p.stderr[-3000:]
     assert "the sweep ended with a failed or interrupted job" in p.stderr and str(sweep.resolve()) in p.stderr, \
         p.stderr[-3000:]
     rows = pq.read_table(sweep / "sweep.parquet").to_pylist()
-    assert [r["requests"] for r in rows] == [3] and "workload.limit=3" in rows[0]["overrides"]
-    assert "workload.limit=3" in (sweep / "sweep.md").read_text()
+    assert [r["requests"] for r in rows] == [3] and f"workload.path={PROMPTS}" in rows[0]["overrides"]
+    assert "prompts.parquet" in (sweep / "sweep.md").read_text()
+
+
+def test_a_sweep_with_an_invalid_point_runs_none_of_its_jobs(tmp_path):
+    """Each job's config used to be checked only when that job started: chunking.size=16 ran whole (model
+    loaded, dataset read), then 0 stopped the sweep and 64 never ran."""
+    sweep = tmp_path / "sweep"
+    p = ladle("--multirun", "chunking.size=16,0,64", "workload.limit=3", f"hydra.sweep.dir={sweep}",
+              "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "job 1 (chunking.size=0 workload.limit=3" in p.stderr and "chunking.size=0 is invalid" in p.stderr, \
+        p.stderr[-3000:]
+    assert not (sweep / "0").exists() and "ladle summary" not in p.stdout
 
 
 def test_a_failed_sweep_in_a_reused_directory_reports_nothing_when_none_of_its_jobs_finished(tmp_path):
@@ -229,9 +243,9 @@ def test_a_failed_sweep_in_a_reused_directory_reports_nothing_when_none_of_its_j
     (sweep / "old").mkdir(parents=True)
     (sweep / "old" / "summary.json").write_text(json.dumps({"overrides": ["workload.limit=5"], "requests": 5}))
     (sweep / "sweep.md").write_text("the earlier sweep's report\n")
-    p = ladle("--multirun", "workload.limit=-1,3", f"hydra.sweep.dir={sweep}", "output.plots=false", *FAST,
-              cwd=tmp_path)
-    assert p.returncode == 2 and "workload.limit=-1 must be >= 0" in p.stderr, p.stderr[-3000:]
+    p = ladle("--multirun", f"workload.path={tmp_path / 'missing.parquet'},{PROMPTS}", f"hydra.sweep.dir={sweep}",
+              "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 2 and "does not exist" in p.stderr, p.stderr[-3000:]
     assert "the sweep ended" not in p.stderr, p.stderr[-3000:]
     assert (sweep / "sweep.md").read_text() == "the earlier sweep's report\n"
 
