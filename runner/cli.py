@@ -60,7 +60,7 @@ def release_frames(error: BaseException) -> None:
         pending += [e.__cause__, e.__context__, *(e.exceptions if isinstance(e, BaseExceptionGroup) else ())]
 
 
-def _check_sweep_resume(out_dir: Path, cfg: DictConfig) -> None:
+def _check_sweep_resume(out_dir: Path, cfg: DictConfig, overrides: list[str]) -> None:
     """Refuse a sweep job whose directory holds another setting's rows (runner/resume.check_sweep_resume)."""
     from runner.resume import check_sweep_resume
 
@@ -68,7 +68,7 @@ def _check_sweep_resume(out_dir: Path, cfg: DictConfig) -> None:
         config_yaml, resume = OmegaConf.to_yaml(cfg, resolve=True), bool(cfg.output.resume)
     except Exception:  # noqa: BLE001 - a config that does not resolve: run_job reports it as what it is
         return
-    check_sweep_resume(out_dir, config_yaml, resume)
+    check_sweep_resume(out_dir, config_yaml, resume, overrides)
 
 
 def _written_since(path: Path, started: float) -> bool:
@@ -95,7 +95,7 @@ def _main(cfg: DictConfig) -> None:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
         if hc.mode == RunMode.MULTIRUN:
             shared = Path(hc.sweep.dir) / "calibration.json"
-            _check_sweep_resume(out_dir, cfg)
+            _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
         result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr

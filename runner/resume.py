@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +133,6 @@ def prepare_run_dir(out: Path, output: OutputConfig, config_yaml: str) -> Resume
 # (a higher workload.limit is what resuming is for). Anything else changes what the rows hold (tokens,
 # or the timings and steps: chunking, cache, threads, executor...).
 RESUMABLE_CHANGES = ("output", "workload.limit", "workload.batch_size")
-_ABSENT = object()
 
 
 def config_changes(previous_yaml: str | None, config_yaml: str) -> dict[str, tuple[object, object]]:
@@ -141,16 +141,19 @@ def config_changes(previous_yaml: str | None, config_yaml: str) -> dict[str, tup
     if not previous_yaml:
         return {}
     old, new = (_flat(OmegaConf.to_container(OmegaConf.create(y))) for y in (previous_yaml, config_yaml))
-    return {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
-            if old.get(k, _ABSENT) != new.get(k, _ABSENT)
-            and not any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
+    # Only keys both configs have: one only the newer has is a setting added since (by an upgrade of ladle,
+    # at its default), not one the user changed.
+    return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys())
+            if old[k] != new[k] and not _under(k, RESUMABLE_CHANGES)}
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    """Whether `key` is one of the prefixes or below one ("" is above every key)."""
+    return any(not p or key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def describe_changes(changed: dict[str, tuple[object, object]], most: int = 4) -> str:
-    def shown(v: object) -> str:
-        return "unset" if v is _ABSENT else repr(v)
-
-    parts = [f"{k}: {shown(a)} -> {shown(b)}" for k, (a, b) in list(changed.items())[:most]]
+    parts = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:most]]
     return ", ".join(parts) + (f" and {len(changed) - most} more" if len(changed) > most else "")
 
 
@@ -163,15 +166,19 @@ def _flat(node: object, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_sweep_resume(out: Path, config_yaml: str, resume: bool) -> None:
+def check_sweep_resume(out: Path, config_yaml: str, resume: bool, overrides: list[str]) -> None:
     """A multirun numbers its job directories by position: the same hydra.sweep.dir swept again with other
     values would resume one setting's rows under another's name (its report then mislabels both). Refuse
-    it before anything runs; a sweep resumed with its own command passes."""
+    it before anything runs when a setting this job's command line gives (`overrides`, Hydra's task
+    overrides: the swept values and the fixed ones) differs from what made the rows; any other difference
+    (a path that moved with the checkout, a default that changed) is the resume's warning. A sweep resumed
+    with its own command passes."""
     if not resume:
         return
     gen = out / GENERATIONS
     previous = read_config_yaml(gen) or read_config_yaml(tmp_path(gen))
-    changed = config_changes(previous, config_yaml)
+    given = override_keys(overrides)
+    changed = {k: v for k, v in config_changes(previous, config_yaml).items() if _under(k, given)}
     if changed:
         raise ConfigError(
             f"{out} holds the rows of a sweep run with other settings ({describe_changes(changed)}); a sweep's job "
@@ -181,7 +188,9 @@ def check_sweep_resume(out: Path, config_yaml: str, resume: bool) -> None:
 
 def resume_command(out_dir: Path, overrides: list[str]) -> str:
     """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
-    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    # output.resume=false would start over again: the command resumes, so it leaves that override out
+    kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
+            and o.split("=", 1)[0].lstrip("+~") != "output.resume"]
     return shlex.join(["python", "-m", "runner", *kept, f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"])
 
 
@@ -191,3 +200,14 @@ def hydra_quoted(value: str) -> str:
     escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
     escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
     return f"'{escaped}'"
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The config keys (or config groups, as key prefixes) that command-line overrides set."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - Hydra parsed them already; if not, compare every key
+        return [""]
+    return [o.key_or_group.replace("/", ".") for o in parsed if not o.key_or_group.startswith("hydra")]

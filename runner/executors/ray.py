@@ -75,7 +75,7 @@ class Ray(Executor):
         interrupted = False
         if ks:
             failures, config_errors, interrupted = _launch(cfg, job, out, routing, ks, duplicates)
-        merge_replicas(out, job, routing.num_replicas)
+        merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
         replicas = replica_summaries(out, ks)
         resume_cmd = resume_command(out, self.extra.get("overrides", []))
         first = replicas[0] if replicas else {}

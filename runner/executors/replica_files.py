@@ -13,8 +13,9 @@ import pyarrow.parquet as pq
 
 from runner.config import ConfigError, JobConfig
 from runner.report import SUMMARY
-from runner.sinks import GENERATIONS, STEPS, STEPS_SCHEMA, conform, generations_schema, readable
+from runner.sinks import CONFIG_KEY, GENERATIONS, STEPS, STEPS_SCHEMA, conform, generations_schema, readable
 from runner.sources.shard import Routing
+from runner.text import clean_str
 
 ROUTING = "routing.json"
 MERGED_KEY = b"ladle.merged_by"  # schema metadata of a generations.parquet that executor=ray merged
@@ -51,20 +52,24 @@ def pin_routing(out: Path, routing: Routing) -> None:
     path.write_text(json.dumps(routing.as_dict()))
 
 
-def merge_replicas(out: Path, job: JobConfig, num_replicas: int) -> None:
+def merge_replicas(out: Path, job: JobConfig, num_replicas: int, config_yaml: str | None = None) -> None:
     """generations.parquet (each request once) and steps.parquet (with a `replica` column) from every
-    replica's files; an empty generations.parquet when no replica wrote one, as executor=local would."""
+    replica's files; an empty generations.parquet when no replica wrote one, as executor=local would.
+    config_yaml: the run's own resolved config, stored in place of the replicas' (theirs say
+    executor=local and their own threads: a resume compares its config with the stored one)."""
     schema = generations_schema(job.output.include_prompt)
+    meta = {} if config_yaml is None else {CONFIG_KEY: clean_str(config_yaml).encode()}
     stream_merge([(k, replica_dir(out, k) / GENERATIONS) for k in range(num_replicas)], out / GENERATIONS,
-                 add_replica=False, schema=schema)
+                 add_replica=False, schema=schema, meta=meta)
     stream_merge([(k, replica_dir(out, k) / STEPS) for k in range(num_replicas)], out / STEPS,
-                 add_replica=True, schema=STEPS_SCHEMA)
+                 add_replica=True, schema=STEPS_SCHEMA, meta=meta)
     if not (out / GENERATIONS).exists():
-        pq.write_table(schema.with_metadata({**(schema.metadata or {}), MERGED_KEY: b"executor=ray"}).empty_table(),
-                       out / GENERATIONS)
+        pq.write_table(schema.with_metadata({**(schema.metadata or {}), **meta, MERGED_KEY: b"executor=ray"})
+                       .empty_table(), out / GENERATIONS)
 
 
-def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool, schema: pa.Schema) -> Path | None:
+def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool, schema: pa.Schema,
+                 meta: dict[bytes, bytes] | None = None) -> Path | None:
     """Concatenate the replicas' Parquet files into `dest`, a row group at a time (through a .tmp and a
     rename, so a crash mid-merge leaves the previous merged file). Every row group is conformed to
     `schema` (today's columns): a replica not rerun on resume may hold a file an older ladle wrote.
@@ -72,10 +77,10 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool,
     files = [(k, pq.ParquetFile(p)) for k, p in sources if p.exists()]
     if not files:
         return None
-    meta = files[0][1].schema_arrow.metadata or {}  # the resolved config the replicas wrote
+    written = files[0][1].schema_arrow.metadata or {}  # the resolved config the replicas wrote
     if add_replica:
         schema = schema.append(pa.field("replica", pa.int32()))
-    schema = schema.with_metadata({**meta, MERGED_KEY: b"executor=ray"})
+    schema = schema.with_metadata({**written, **(meta or {}), MERGED_KEY: b"executor=ray"})
     tmp = dest.with_name(dest.name + ".merging")
     with pq.ParquetWriter(tmp, schema) as w:
         for k, pf in files:

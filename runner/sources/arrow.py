@@ -65,8 +65,10 @@ class ParquetSource(Source):
                 end = offset + n if limit is None else min(offset + n, limit)
                 if shard.routing.owns_any(shard.k, offset, end):
                     start = offset
-                    for b in pf.iter_batches(batch_size=bs, row_groups=[rg], columns=cols, use_threads=False):
-                        rows = self.rows_from_columns({c: pylist(b.column(c)) for c in cols}, start)
+                    have = [c for c in cols if c in pf.schema_arrow.names]  # a file without an optional column
+                    for b in pf.iter_batches(batch_size=bs, row_groups=[rg], columns=have, use_threads=False):
+                        values = {c: pylist(b.column(c)) if c in have else [None] * b.num_rows for c in cols}
+                        rows = self.rows_from_columns(values, start)
                         start += b.num_rows
                         yield [r for r in rows if limit is None or r.index < limit]
                 offset += n

@@ -70,6 +70,8 @@ def check_required_columns(workload: WorkloadConfig, arrival_column: str | None,
     """One file of several has the columns every row needs: the prompt and a trace's arrival time. (A file
     without an optional column, such as the id or a sampling column, reads it as null, as Parquet does.)"""
     keys = {"prompt_column": workload.prompt_column, "arrivals.column": arrival_column}
+    if workload.prompt_column == workload.id_column:  # executor=ray's id-only pass (executors/shards.py): optional
+        keys.pop("prompt_column")
     for key, col in keys.items():
         if col is not None and col not in available:
             raise ConfigError(f"workload.{key}={col!r} is not a column of {where}, and every row needs it; "
@@ -107,9 +109,15 @@ def _check_prompt_type(workload: WorkloadConfig, t: pa.DataType, where: str) -> 
                       "workload.prompt_column at the prompt column or convert this one")
 
 
+def _storage(t: pa.DataType) -> pa.DataType:
+    """An extension type (e.g. arrow.json over strings) as the type its values are read as."""
+    return t.storage_type if isinstance(t, pa.BaseExtensionType) else t
+
+
 def prompt_type_ok(t: pa.DataType, fmt: str) -> bool:
     """Whether a column of type `t` can hold prompts of format `fmt` (auto: any of them); a null column
     holds only nulls, each one its row's error."""
+    t = _storage(t)
     if pa.types.is_null(t):
         return True
     kinds = {"text": _is_text(t), "chat": _is_list_of(t, pa.types.is_struct),
@@ -131,6 +139,7 @@ def _check_trace_type(workload: WorkloadConfig, t: pa.DataType, where: str) -> N
 
 def trace_type_ok(t: pa.DataType) -> bool:
     """Whether a column of type `t` can hold trace arrival times (numbers or their text; runner/arrivals.py)."""
+    t = _storage(t)
     if pa.types.is_dictionary(t):
         t = t.value_type
     return pa.types.is_null(t) or _is_number(t) or _is_text(t)

@@ -263,3 +263,30 @@ def test_the_checks_come_before_the_model_loads(tmp_path, no_model_load, data, o
     cfg = compose_cfg("workload=parquet", f"workload.path={tmp_path}/p.parquet", *overrides)
     with pytest.raises(ConfigError, match=words):
         Local().run(cfg, tmp_path / "out")
+
+
+def test_an_extension_type_is_checked_as_its_storage(tmp_path):
+    """Arrow's canonical JSON extension (arrow.json over strings) reads as text: it was refused."""
+    col = pa.ExtensionArray.from_storage(pa.json_(pa.string()), pa.array(['"hello"', '{"q": 1}']))
+    path = tmp_path / "p.arrow"
+    write_arrow(path, pa.table({"prompt": col}))
+    assert [r.prompt for r in read_all(WorkloadConfig(kind="arrow", path=str(path)))] == ['"hello"', '{"q": 1}']
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_executor_ray_reads_a_file_without_the_optional_id_column(tmp_path, kind):
+    """A directory whose second file lacks the id column reads it as null for executor=local; executor=ray's
+    id pass refused it (naming prompt_column='id') and a Parquet replica's shard read raised KeyError."""
+    from runner.executors.shards import duplicate_indices
+    from runner.sources.shard import Routing, Shard
+
+    d = tmp_path / "d"
+    d.mkdir()
+    write(d / f"part-0.{kind}", pa.table({"id": ["a", "b"], "prompt": ["p0", "p1"]}), kind)
+    write(d / f"part-1.{kind}", pa.table({"prompt": ["p2", "p3"]}), kind)
+    w = WorkloadConfig(kind=kind, path=str(d), id_column="id")
+    routing = Routing(2, 1)
+    assert duplicate_indices(w, routing) == {}
+    rows = [r for b in open_source(w, Shard(1, routing, None, "id")).batches() for r in b]
+    assert [(r.index, r.id, r.prompt) for r in rows] == [(1, "b", "p1"), (3, None, "p3")]
+    assert "id is null" in rows[1].error
