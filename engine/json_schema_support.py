@@ -17,10 +17,20 @@ The rules, per subschema:
 - Not enforced at all: `uniqueItems`, `contains` (`minContains`/`maxContains` mean nothing without it),
   `dependentRequired`,
   `dependentSchemas`, `dependencies`, `not`, `if`/`then`/`else`, `$dynamicRef`; `pattern` together with
-  `minLength`/`maxLength`; `format` together with `pattern`, `minLength` or `maxLength`; regex syntax its
-  regex parser refuses (lookahead, lookbehind) in a `pattern` or a `patternProperties` key; `multipleOf` except a whole number on an integer; `required` naming a
-  property not in `properties`; `allOf` of more than one schema; `oneOf` whose branches may overlap
-  (it acts as `anyOf`); formats outside `ENFORCED_FORMATS`.
+  `minLength`/`maxLength`; `format` together with `pattern`; `multipleOf` except a whole number on an
+  integer; `required` naming a property not in `properties`; `allOf` of more than one schema; `oneOf`
+  whose branches may overlap (it acts as `anyOf`); formats outside `ENFORCED_FORMATS`.
+- `format` drops a `minLength`/`maxLength` beside it; refused only where that loses something: a
+  minLength above the format's shortest string, a maxLength below its longest (FORMAT_LENGTHS; pydantic's
+  AnyUrl, `"format": "uri", "minLength": 1`, loses nothing). A format of unbounded length with a
+  maxLength is refused (the grammar would take longer strings).
+- In a `pattern` (and a `patternProperties` key, a `propertyNames` pattern): lookarounds `(?=`, `(?!`,
+  `(?<=`, `(?<!` (lookaheads are dropped with a warning, lookbehinds fail to compile), and a `^`/`$`
+  that something may precede/follow in its alternative or in a repeated group (`a$b`, `^(^a)+$`: dropped
+  with a warning, so "ab", "aa" pass).
+  Every other construct the JSON-schema path does not take fails its compile with the reason (`\\b`,
+  backreferences, `(?s)`), and the rest it enforces (`(?i)`, named groups, classes, `\\d`...). An escape it
+  does not know (`\\Z`) matches the letter, as ECMA-262 (JSON Schema's regex dialect) says.
 """
 
 from __future__ import annotations
@@ -54,6 +64,15 @@ ENFORCED_FORMATS = frozenset({
     "email", "date", "date-time", "time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri",
     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
 })
+# format -> (characters in its shortest string, in its longest or None: no bound) in the grammar xgrammar
+# builds for it. Measured from that grammar (tests/engine/test_json_schema_support.py re-reads it): 0 where
+# it takes "", the fewest characters where no escape can shorten its strings, else 1.
+FORMAT_LENGTHS = {
+    "email": (1, None), "date": (10, 10), "date-time": (20, None), "time": (9, None), "duration": (3, None),
+    "uuid": (36, 36), "ipv4": (7, 15), "ipv6": (2, 39), "hostname": (1, None), "uri": (2, None),
+    "uri-reference": (0, None), "uri-template": (0, None), "json-pointer": (0, None),
+    "relative-json-pointer": (1, None),
+}
 STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 REPLACING = ("$ref", "anyOf", "oneOf", "allOf")
@@ -124,18 +143,87 @@ def _node_problem(node: dict, root: Any) -> str | None:
     return _typed_problem(node)
 
 
+_LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
+# A group's opening: "(", "(?:", "(?>", "(?|", "(?<name>", "(?P<name>", "(?i:"; flags alone "(?i)" open none.
+_GROUP_HEAD = re.compile(r"\((?:\?(?:P?<(?![=!])[^>]*>|[A-Za-z-]*:|[>|]))?")
+_FLAGS = re.compile(r"\(\?[A-Za-z-]+\)")
+_REPEAT = re.compile(r"\{\d+(?:,\d*)?\}")
+
+
 def _pattern_problem(pattern: str) -> str | None:
-    """Regex syntax the grammar engine would ignore inside a schema (lookarounds: it logs a warning and
-    drops them, so the grammar is laxer than the pattern) but refuses as a regex: ask its regex parser."""
-    try:
-        import xgrammar as xgr
-    except ImportError:
-        return None  # structured output then fails as a whole, with the install hint
-    try:
-        xgr.Grammar.from_regex(pattern)
-    except Exception as exc:  # noqa: BLE001 - the parser's reason is the message
-        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).splitlines()[0]
-        return f"'pattern' {pattern!r} is not enforced by the grammar engine ({reason}); rewrite it without that"
+    """Regex syntax xgrammar's JSON-schema path would drop without an error, leaving the grammar laxer than
+    the pattern: lookarounds (a lookbehind fails to compile, refused here too for a clearer message), and an
+    anchor it ignores where ignoring it loses something (`^` after, `$` before something in its branch)."""
+    tokens = []  # (kind, position): "atom" (may consume characters), "open", "close", "|", "^", "$"
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            tokens.append(("atom", i))
+            i += 2
+        elif c == "[":  # a class ends at the first unescaped "]", even right after "[" or "[^" (ECMA-262)
+            j = i + 2 if pattern.startswith("[^", i) else i + 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            tokens.append(("atom", i))
+            i = j + 1
+        elif c == "(":
+            look = next((x for x in _LOOKAROUNDS if pattern.startswith(x, i)), None)
+            if look:
+                return (f"'pattern' {pattern!r} has a lookaround {look!r} at position {i}, which the grammar "
+                        f"engine does not enforce; rewrite the pattern without it")
+            if flags := _FLAGS.match(pattern, i):
+                i = flags.end()
+                continue
+            tokens.append(("open", i))
+            i = _GROUP_HEAD.match(pattern, i).end()
+        elif c in "*+?" or (c == "{" and _REPEAT.match(pattern, i)):
+            end = i + 1 if c in "*+?" else _REPEAT.match(pattern, i).end()
+            bounds = pattern[i + 1:end - 1].split(",")
+            repeats = c in "*+" or (c == "{" and (bounds[-1] == "" or int(bounds[-1]) > 1))
+            if repeats and tokens and tokens[-1][0] == "close":  # a group again after itself: its anchors
+                depth, k = 0, len(tokens) - 1                    # are then preceded/followed by it
+                while k > 0 and not (tokens[k][0] == "open" and depth == 1):
+                    depth += {"close": 1, "open": -1}.get(tokens[k][0], 0)
+                    k -= 1
+                if anchored := [at for kind, at in tokens[k:] if kind in "^$"]:
+                    return (f"'pattern' {pattern!r} repeats a group holding the anchor at position {anchored[0]}, "
+                            f"which the grammar engine ignores there (and would take strings the pattern "
+                            f"rejects); move the anchor out of the group")
+            i = end
+        else:
+            tokens.append(({")": "close"}.get(c, c if c in "|^$" else "atom"), i))
+            i += 1
+    swapped = {"open": "close", "close": "open"}
+    for anchor, stream in (("^", tokens), ("$", [(swapped.get(k, k), at) for k, at in reversed(tokens)])):
+        at = _stray_anchor(stream, anchor)
+        if at is not None:
+            where = "start" if anchor == "^" else "end"
+            return (f"'pattern' {pattern!r} has a {anchor!r} at position {at} that is not at the {where} of the "
+                    f"pattern or of an alternative; the grammar engine ignores it (and would take strings "
+                    f"the pattern rejects); remove it")
+    return None
+
+
+def _stray_anchor(tokens: list[tuple[str, int]], anchor: str) -> int | None:
+    """Where `anchor` follows, in its own branch, something that may consume characters (for "$", the
+    tokens come reversed). Ignoring such an anchor makes the grammar laxer; elsewhere it only restates
+    the whole-string match the grammar enforces anyway."""
+    stack = [[False, False, False]]  # per open group: consumed before it, consumed in this branch, consumes
+    for kind, at in tokens:
+        frame = stack[-1]
+        if kind == "atom":
+            frame[1] = frame[2] = True
+        elif kind == "open":
+            stack.append([frame[1], frame[1], False])
+        elif kind == "|":
+            frame[1] = frame[0]
+        elif kind == "close" and len(stack) > 1:
+            stack.pop()
+            stack[-1][1] = stack[-1][1] or frame[2]
+            stack[-1][2] = stack[-1][2] or frame[2]
+        elif kind == anchor and frame[1]:
+            return at
     return None
 
 
@@ -155,10 +243,13 @@ def _typed_problem(node: dict) -> str | None:
     if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
         return ("'pattern' together with 'minLength'/'maxLength' drops the lengths; "
                 "write the lengths into the pattern (e.g. ^[a-z]{3,8}$)")
-    if "string" in types and "format" in node and (dropped := [k for k in ("pattern", "minLength", "maxLength")
-                                                            if k in node]):
-        return (f"'format' together with {dropped[0]!r} drops the {dropped[0]!r}; keep only the format, or "
-                f"replace both by one 'pattern' that spells the format and the constraint")
+    if "string" in types and "format" in node and "pattern" in node:
+        return ("'format' together with 'pattern' drops the 'pattern'; keep only the format, or replace both "
+                "by one 'pattern' that spells the format and the constraint")
+    if "string" in types and node.get("format") in FORMAT_LENGTHS:
+        for key in ("minLength", "maxLength"):
+            if key in node and (problem := _format_length_problem(node["format"], key, node[key])):
+                return problem
     if "string" in types and isinstance(node.get("pattern"), str) and (problem := _pattern_problem(node["pattern"])):
         return problem
     if "string" in types and "format" in node and node["format"] not in ENFORCED_FORMATS:
@@ -178,6 +269,27 @@ def _typed_problem(node: dict) -> str | None:
             return (f"'required' names {name!r}, which is not in 'properties' (the grammar engine "
                     f"would not produce it); add it to 'properties'")
     return None
+
+
+def _format_length_problem(fmt: str, key: str, bound: Any) -> str | None:
+    """The grammar of a format ignores a length beside it: refused where the format's own strings break it."""
+    shortest, longest = FORMAT_LENGTHS[fmt]
+    if not isinstance(bound, int) or isinstance(bound, bool):
+        return None  # not an integer (36.0 too): the compile fails, saying so
+    if key == "minLength" and bound <= shortest:
+        return None  # the format's strings all have that many characters
+    if key == "maxLength" and longest is not None and bound >= longest:
+        return None
+    instead = ("or replace the format by one 'pattern' that spells it with the length in a repeat "
+               "(e.g. {1,2000}), without minLength/maxLength")
+    if key == "minLength":
+        return (f"format {fmt!r} drops 'minLength': {bound!r} (its shortest strings have {shortest} characters); "
+                f"drop minLength or lower it to {shortest}, {instead}")
+    if longest is None:
+        return (f"format {fmt!r} drops 'maxLength': {bound!r} (a {fmt} may be any length, so longer strings "
+                f"would pass); drop maxLength and check lengths afterwards, {instead}")
+    return (f"format {fmt!r} drops 'maxLength': {bound!r} (its strings have up to {longest} characters); "
+            f"drop maxLength or raise it to {longest}, {instead}")
 
 
 def _enum_problem(node: dict) -> str | None:

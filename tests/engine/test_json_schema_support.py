@@ -6,6 +6,8 @@ an instance that breaks the keyword."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import jsonschema
@@ -14,7 +16,7 @@ import xgrammar as xgr
 import yaml
 
 from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.json_schema_support import json_schema_problem
+from engine.json_schema_support import ENFORCED_FORMATS, FORMAT_LENGTHS, json_schema_problem
 from engine.sampling_params import StructuredOutputs
 from tests.engine.helpers import random_prompt, run_to_completion
 
@@ -58,12 +60,29 @@ REFUSED = {
     "enum value 'a'": ({"type": "string", "enum": ["a", "bb"], "minLength": 2}, "a"),
     "const value 'abc'": ({"const": "abc", "maxLength": 1}, "abc"),
     "'minimum' beside 'anyOf'": ({"anyOf": [{"type": "integer"}], "minimum": 3}, 1),
-    "'format' together with 'maxLength'": ({"type": "string", "format": "date", "maxLength": 5}, "2024-01-01"),
-    "'format' together with 'minLength'": ({"type": "string", "format": "date", "minLength": 11}, "2024-01-01"),
+    # a format's grammar drops the lengths beside it: refused where the format's own strings break them
+    "format 'date' drops 'maxLength': 5": ({"type": "string", "format": "date", "maxLength": 5}, "2024-01-01"),
+    "format 'date' drops 'minLength': 11": ({"type": "string", "format": "date", "minLength": 11}, "2024-01-01"),
+    "format 'ipv4' drops 'maxLength': 14": ({"type": "string", "format": "ipv4", "maxLength": 14}, "255.255.255.255"),
+    "format 'uri' drops 'minLength': 3": ({"type": "string", "format": "uri", "minLength": 3}, "a:"),
+    "format 'email' drops 'minLength': 4": ({"type": "string", "format": "email", "minLength": 4}, "a@b"),
+    # pydantic's HttpUrl: a uri has no length bound in the grammar, so the maxLength is lost
+    "format 'uri' drops 'maxLength': 2083": ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+                                             "https://example.com/" + "a" * 2083),
     "'format' together with 'pattern'": ({"type": "string", "format": "date", "pattern": "^1999-"}, "2024-01-01"),
-    "Lookahead is not supported": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "xyz"),
+    # lookaheads are dropped with a warning; anchors the grammar ignores where something precedes/follows them
+    "lookaround '(?!' at position 1": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "xyz"),
+    "lookaround '(?=' at position 1": ({"type": "string", "pattern": "x(?=a)"}, "x"),
+    "lookaround '(?!' at position 3": ({"type": "string", "pattern": r"^\)(?!a)[a-z]$"}, ")a"),
     "'patternProperties' key": ({"type": "object", "patternProperties": {"^(?!x)[a-z]+$": {"type": "integer"}},
                                  "additionalProperties": False}, {"xa": 1}),
+    "#/propertyNames: 'pattern' '^(?!x)[a-z]+$' has a lookaround": (
+        {"type": "object", "propertyNames": {"pattern": "^(?!x)[a-z]+$"}}, {"xa": 1}),
+    "'$' at position 1": ({"type": "string", "pattern": "a$b"}, "ab"),
+    "'^' at position 2": ({"type": "string", "pattern": "a?^b"}, "ab"),
+    "'$' at position 3": ({"type": "string", "pattern": "^(a$|b)c$"}, "ac"),
+    "repeats a group holding the anchor at position 2": ({"type": "string", "pattern": "^(^a)+$"}, "aa"),
+    "repeats a group holding the anchor at position 5": ({"type": "string", "pattern": "^(?:a$){2}"}, "aa"),
 }
 
 
@@ -88,6 +107,16 @@ ENFORCED = {
     "minLength": ({"type": "string", "minLength": 3}, "ab", "abc"),
     "maxLength": ({"type": "string", "maxLength": 2}, "abc", "ab"),
     "pattern": ({"type": "string", "pattern": "^[a-z]{3,5}$"}, "ab", "abcd"),
+    # regex syntax the JSON-schema path takes exactly (its own regex front end, not Grammar.from_regex's)
+    "pattern (?i)": ({"type": "string", "pattern": "(?i)^[a-f0-9]{4}$"}, "abz1", "AB12"),
+    "pattern named group": ({"type": "string", "pattern": r"^(?P<year>\d{4})-\d{2}$"}, "24-01", "2024-01"),
+    "pattern escaped (?=": ({"type": "string", "pattern": r"^\(?=a$"}, "a", "(=a"),
+    "pattern (?= in a class": ({"type": "string", "pattern": "^[(?=]x$"}, "x", "(x"),
+    "pattern anchored alternatives": ({"type": "string", "pattern": "^a$|^b$"}, "ab", "b"),
+    "pattern anchors in a group": ({"type": "string", "pattern": "(^(?:a|b)$)"}, "ab", "a"),
+    "pattern ^ and $ in a class": ({"type": "string", "pattern": "^[$^]x$"}, "x", "$x"),
+    "pattern escaped $": ({"type": "string", "pattern": r"^a\$b$"}, "ab", "a$b"),
+    "pattern optional group holding ^": ({"type": "string", "pattern": "^(?:^a)?b$"}, "aab", "ab"),
     "format email": ({"type": "string", "format": "email"}, "not an email", "a@b.co"),
     "format date": ({"type": "string", "format": "date"}, "2024-13-45x", "2024-01-02"),
     "format uuid": ({"type": "string", "format": "uuid"}, "x", "123e4567-e89b-12d3-a456-426614174000"),
@@ -135,6 +164,143 @@ def test_enforced_keywords_are_accepted_and_hold(keyword):
     assert json_schema_problem(schema) is None
     assert valid(schema, good) and grammar_accepts(schema, good)
     assert not valid(schema, bad) and not grammar_accepts(schema, bad)
+
+
+# A length bound beside a format is dropped by the grammar, harmlessly where every string of the format
+# meets it: (schema, an instance the bound forbids that the grammar rejects anyway, one it accepts).
+HARMLESS = {
+    "uri minLength 1 (pydantic AnyUrl)": ({"type": "string", "format": "uri", "minLength": 1}, "", "a:"),
+    "uri minLength 2": ({"type": "string", "format": "uri", "minLength": 2}, "a", "a:"),
+    "email minLength 1": ({"type": "string", "format": "email", "minLength": 1}, "", "a@b"),
+    "hostname minLength 1": ({"type": "string", "format": "hostname", "minLength": 1}, "", "a"),
+    "date maxLength 10": ({"type": "string", "format": "date", "maxLength": 10}, "2024-01-011", "2024-01-02"),
+    "date minLength 10 maxLength 64": ({"type": "string", "format": "date", "minLength": 10, "maxLength": 64},
+                                       "2024-1-2", "2024-01-02"),
+    "date-time minLength 20": ({"type": "string", "format": "date-time", "minLength": 20},
+                               "2024-01-01T00:00:0Z", "2024-01-01T00:00:00Z"),
+    "uuid minLength 36 maxLength 36": ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
+                                       "123e4567-e89b-12d3-a456-42661417400", "123e4567-e89b-12d3-a456-426614174000"),
+    "ipv4 maxLength 15": ({"type": "string", "format": "ipv4", "maxLength": 15}, "255.255.255.2555", "255.255.255.255"),
+    "ipv6 maxLength 39": ({"type": "string", "format": "ipv6", "maxLength": 39},
+                          "1111:2222:3333:4444:5555:6666:7777:88889", "1111:2222:3333:4444:5555:6666:7777:8888"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARMLESS))
+def test_a_length_every_string_of_its_format_meets_is_accepted(name):
+    schema, bad, good = HARMLESS[name]
+    assert json_schema_problem(schema) is None
+    assert valid(schema, good) and grammar_accepts(schema, good)
+    assert not valid(schema, bad) and not grammar_accepts(schema, bad)
+
+
+_EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\w+|\{\d+, -?\d+\}|\(=|[()|*+?]|\s+')
+_EBNF_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)")
+
+
+def string_widths(schema: dict) -> tuple[float, float, bool]:
+    """(fewest, most) characters xgrammar's grammar for a string schema puts between the quotes, read off
+    its EBNF (most: inf where a rule recurs), and whether one may be a backslash (a JSON escape: then a
+    grammar character need not be a string character, and only `most` bounds the string)."""
+    rules = {}
+    for line in str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)).splitlines():
+        name, _, body = line.partition(" ::= ")
+        tokens = _EBNF_TOKEN.findall(body)
+        assert "".join(tokens) == body, line  # every character of the rule is read
+        rules[name] = [t for t in tokens if not t.isspace()]
+    assert rules["root"] == ["(", "(", '"\\""', "root_1", '"\\""', ")", ")"], rules["root"]
+    backslash = False
+
+    def alt(toks, i, stack):
+        lo, hi, i = seq(toks, i, stack)
+        while i < len(toks) and toks[i] == "|":
+            lo2, hi2, i = seq(toks, i + 1, stack)
+            lo, hi = min(lo, lo2), max(hi, hi2)
+        return lo, hi, i
+
+    def seq(toks, i, stack):
+        lo = hi = 0
+        while i < len(toks) and toks[i] not in ("|", ")"):
+            a_lo, a_hi, i = atom(toks, i, stack)
+            while i < len(toks) and (toks[i] in ("*", "+", "?") or toks[i].startswith("{")):
+                q = toks[i]
+                m, n = {"*": (0, -1), "+": (1, -1), "?": (0, 1)}.get(q) or map(int, q[1:-1].split(","))
+                a_lo = 0 if m == 0 else a_lo * m
+                a_hi = 0 if n == 0 else math.inf if n == -1 else a_hi * n
+                i += 1
+            lo, hi = lo + a_lo, hi + a_hi
+        return lo, hi, i
+
+    def atom(toks, i, stack):
+        nonlocal backslash
+        t = toks[i]
+        if t in ("(", "(="):
+            lo, hi, j = alt(toks, i + 1, stack)
+            assert toks[j] == ")"
+            return (0, 0, j + 1) if t == "(=" else (lo, hi, j + 1)
+        if t.startswith('"'):
+            named = {"n": "\n", "r": "\r", "t": "\t", "0": "\0"}
+            text = _EBNF_ESCAPE.sub(lambda m: chr(int(m[1][1:], 16)) if len(m[1]) > 1 else named.get(m[1], m[1]),
+                                    t[1:-1])
+            backslash = backslash or "\\" in text
+            return len(text), len(text), i + 1
+        if t.startswith("["):
+            backslash = backslash or re.fullmatch(t, "\\") is not None
+            return 1, 1, i + 1
+        if t in stack:
+            return math.inf, math.inf, i + 1  # a shortest derivation never nests a rule in itself
+        lo, hi, j = alt(rules[t], 0, stack | {t})
+        assert j == len(rules[t]), (t, rules[t][j:])
+        return lo, hi, i + 1
+
+    lo, hi, _ = atom(["root_1"], 0, frozenset())
+    return lo, hi, backslash
+
+
+def test_a_length_that_is_no_integer_is_left_to_the_compile_error():
+    for bound in (36.0, "36", True):
+        schema = {"type": "string", "format": "uuid", "maxLength": bound}
+        assert json_schema_problem(schema) is None
+        with pytest.raises(RuntimeError, match="must be an integer"):
+            xgr.Grammar.from_json_schema(json.dumps(schema))
+
+
+def test_string_widths_reads_the_grammar():
+    assert string_widths({"type": "string", "format": "date"}) == (10, 10, False)
+    assert string_widths({"type": "string", "format": "hostname"})[1] == math.inf
+    assert string_widths({"type": "string", "format": "email"})[2]  # its quoted local part has escapes
+
+
+@pytest.mark.parametrize("fmt", sorted(ENFORCED_FORMATS))
+def test_format_lengths_are_those_of_the_grammar(fmt):
+    """FORMAT_LENGTHS is what makes a length beside a format harmless: its shortest must not exceed, its
+    longest not undercut, those of the strings xgrammar's grammar for the format takes."""
+    shortest, longest = FORMAT_LENGTHS[fmt]
+    lo, hi, backslash = string_widths({"type": "string", "format": fmt})
+    assert grammar_accepts({"type": "string", "format": fmt}, "") == (shortest == 0)
+    # without escapes a grammar character is a string character; with them, only "" is measured
+    assert shortest == (lo if not backslash else min(lo, 1))
+    assert longest == (None if hi == math.inf else hi)  # escapes only make strings shorter than hi
+
+
+def test_pattern_scan_reads_escapes_classes_and_groups():
+    refused = [r"(?=a)", r"(?!a)b", r"(?<=a)b", r"(?<!a)b", r"\\(?=a)", r"[](?=a)", r"[^]](?=a)", r"[\]](?!a)",
+               r"(?:x|(?=a))", r"a$b", r"a^b", r"$a", r"a^", r"(a)^b", r"a(^b)", r"(a$)b", r"^(?:x|a$)c",
+               r"^(^a)*$", r"(?:(a$))+", r"(^a){2,}", r"(^a){1,3}"]
+    accepted = [r"\(?=a", r"[(?=]", r"[(?!]", r"[a(?<=]", r"\\\(?=a", r"(?<n>a)", r"(?P<year>\d{4})",
+                r"(?i)^a$", r"^a$|^b$", r"(^a$)", r"^^a$$", r"^(?:a|b)$", r"[$^]", r"a\$b\^", r"^a{2,3}$",
+                r"(?:^a|^b)c$", r"^a(?:b$|c$)", r"^(?:^a)?b$", r"(^a){1}", r"(^a){1,1}", r"^(a)+$", r"^(?:a|b){2,}$"]
+    for pattern in refused:
+        assert json_schema_problem({"type": "string", "pattern": pattern}) is not None, pattern
+    for pattern in accepted:
+        assert json_schema_problem({"type": "string", "pattern": pattern}) is None, pattern
+
+
+def test_lookbehinds_are_refused_before_a_compile_that_would_fail():
+    for pattern in ("(?<=a)b", "(?<!a)b"):
+        assert "lookaround" in json_schema_problem({"type": "string", "pattern": pattern})
+        with pytest.raises(RuntimeError, match="Lookbehind"):
+            xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
 
 
 def test_rules_apply_in_every_subschema():
