@@ -6,15 +6,15 @@ saying what to fix, and the engine reports it from its next step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import itertools
+import json
 from collections.abc import Container, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMetrics, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
 from engine.structured_output import StructuredOutputManager
 
 
@@ -54,9 +54,12 @@ class InputProcessor:
             # its seed between them) or edits it later must not change a queued request, nor skip the
             # validation below (vLLM clones the params too).
             try:
-                params = copy.deepcopy(params)
+                params = own_copy(params)
             except Exception as exc:  # noqa: BLE001 - e.g. a schema nested past the recursion limit
-                error = error or f"invalid sampling params: they cannot be copied ({type(exc).__name__}: {exc})"
+                schema = getattr(params.structured, "json_schema", None)
+                fix = ("; give structured.json_schema as JSON text, or a dict of JSON values (str keys) "
+                       "nested less deeply" if isinstance(schema, dict) else "")
+                error = error or f"invalid sampling params: they cannot be copied ({type(exc).__name__}: {exc}){fix}"
         if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
             params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))
@@ -99,6 +102,25 @@ class InputProcessor:
                 f"{self.kv.num_blocks}; raise cache.num_blocks or cache.memory_gb"
             )
         return None
+
+
+def own_copy(params: SamplingParams) -> SamplingParams:
+    """A copy of the params that shares nothing mutable with the caller's: the lists copied, a dict
+    json_schema frozen as its JSON text (what the compile and the cache key read anyway: the same
+    grammar, key and refusals; a deep copy of a large schema cost 4x the key's json.dumps per request).
+    A field of the wrong type is kept as it is: validation refuses it, naming it. Raises when the
+    schema is not JSON (TypeError) or nested past the recursion limit (RecursionError)."""
+
+    def copied(value: object) -> object:
+        return list(value) if isinstance(value, (list, tuple)) else value
+
+    so = params.structured
+    if isinstance(so, StructuredOutputs):
+        schema = so.json_schema
+        so = dataclasses.replace(so, json_schema=json.dumps(schema) if isinstance(schema, dict) else schema,
+                                 choice=copied(so.choice))
+    return dataclasses.replace(params, stop=copied(params.stop), stop_token_ids=copied(params.stop_token_ids),
+                               structured=so)
 
 
 def derived_seed(engine_seed: int, request_id: str) -> int:

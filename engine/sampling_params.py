@@ -9,6 +9,9 @@ OUTPUT_KINDS = ("delta", "final_only")
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a smaller one
 # overflows float32 to inf, and the softmax of that is NaN.
 GREEDY_BELOW = 1e-5
+# The largest temperature: the sampler divides float32 logits by it, and a larger one is inf there
+# (-inf / inf is NaN: a draw outside the grammar's mask). torch.finfo(torch.float32).max.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -69,8 +72,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not count(k) or k < 0):
                 out.append(f"{name}={k!r} must be None (off) or an integer >= 0 (top-k alternatives)")
-        if not number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            out.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        # (> FLOAT32_MAX first: math.isfinite raises on an int too large for a float)
+        t = self.temperature
+        if not number(t) or t > FLOAT32_MAX or not math.isfinite(t) or t < 0:
+            out.append(f"temperature={t!r} must be a finite number >= 0 and at most {FLOAT32_MAX:.7g} "
+                       f"(float32's largest; 0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not number(self.top_p) or not 0 < self.top_p <= 1:

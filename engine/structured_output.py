@@ -28,7 +28,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -117,7 +117,8 @@ class GrammarState:
 
     kind: str
     compiled: Future
-    stop_ids: list[int]
+    stop_ids: list[int]  # the model's EOS ids and the request's own stop_token_ids
+    own_stop_ids: list[int] = field(default_factory=list)  # the request's, not among the EOS ids
     matcher: Any = None
     error: str | None = None  # set when the compile failed: the request fails with it
     exhausted: bool = False  # complete, with nothing further allowed (only when it has no stop token)
@@ -144,16 +145,30 @@ class GrammarState:
                 if not matcher.is_completed() and not _allows_any(matcher, grammar):
                     # Known before any prefill: a grammar whose language is empty (or that no token of
                     # this vocabulary can begin) would otherwise fail after it, blaming its stop tokens.
-                    self.error = f"{self.kind} matches no text: it allows no first token; fix the {self.kind}"
+                    self.error = self._no_first_token(grammar)
                 else:
                     self.matcher = matcher
             except Exception as exc:  # noqa: BLE001 - e.g. a stop id the grammar's vocabulary lacks
                 self.error = f"{self.kind} cannot start: {type(exc).__name__}: {exc}"
         return self.error is None
 
+    def _no_first_token(self, grammar: Any) -> str:
+        """Why a grammar allows no first token. The request's own stop_token_ids are taken out of the
+        grammar's vocabulary (they end the request, they are not text): when the grammar can begin
+        without that (a matcher with the EOS ids only), they are the cause; else its language is empty."""
+        import xgrammar as xgr
+
+        if self.own_stop_ids:
+            eos = sorted(set(self.stop_ids).difference(self.own_stop_ids))
+            plain = xgr.GrammarMatcher(grammar, override_stop_tokens=eos) if eos else xgr.GrammarMatcher(grammar)
+            if plain.is_completed() or _allows_any(plain, grammar):
+                return (f"{self.kind} allows no first token: its stop_token_ids {self.own_stop_ids} are not "
+                        f"text to it; remove them if the {self.kind} needs them")
+        return f"{self.kind} matches no text: it allows no first token; fix the {self.kind}"
+
     def fresh(self) -> GrammarState:
         """A new matcher over the same compile (each of a request's n samples has its own)."""
-        return GrammarState(self.kind, self.compiled, self.stop_ids)
+        return GrammarState(self.kind, self.compiled, self.stop_ids, self.own_stop_ids)
 
 
 class StructuredOutputManager:
@@ -205,7 +220,8 @@ class StructuredOutputManager:
             if len(self._cache) > CACHE_SIZE:  # many per-row schemas: memory stays bounded
                 self._cache.popitem(last=False)
         stop_ids = sorted(set(self.eos_ids) | set(req.params.stop_token_ids))
-        req.grammar = GrammarState(kind, future, stop_ids)
+        own = sorted(set(req.params.stop_token_ids).difference(self.eos_ids))
+        req.grammar = GrammarState(kind, future, stop_ids, own)
         self._pending.append(req)
         return None
 
@@ -286,7 +302,7 @@ class StructuredOutputManager:
                 # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
                 # complete: a token it needs is one of the request's own stop_token_ids (those are taken
                 # out of the grammar's vocabulary), or no token can continue it at all.
-                own = sorted(set(g.stop_ids).difference(self.eos_ids))
+                own = g.own_stop_ids
                 g.error = (f"{g.kind} cannot continue: no token of the vocabulary continues it here"
                            + (f" (its stop_token_ids {own} are not text to it: remove them if it needs them)"
                               if own else ""))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine import n_samples
 from engine.kv_cache import KVCacheManager
+from engine.logprobs import TopK
 from engine.model_runner import RunnerOutput
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestOutput
@@ -97,25 +98,27 @@ class Updater:
         drawn = result.drawn
         for r in samples or [req]:
             try:
-                if r in drawn.logprobs:
-                    r.logprobs.append(drawn.logprobs[r][0])
-                    r.top_logprobs.append(drawn.logprobs[r][1])
-                out = self._take_token(r, drawn.tokens[r], now)
+                out = self._take_token(r, drawn.tokens[r], now, drawn.logprobs.get(r))
                 if out is not None:
                     update.outputs.append(out)
             except Exception as exc:  # noqa: BLE001 - one sample's bad update fails only that sample
                 self._fail(r, exc, now, update)
 
-    def _take_token(self, req: Request, token: int, now: float) -> RequestOutput | None:
-        """The sampled token joins the request; the step's output for it (None for an unfinished
-        final_only request)."""
+    def _take_token(self, req: Request, token: int, now: float,
+                    logprobs: tuple[float, TopK] | None = None) -> RequestOutput | None:
+        """The sampled token (with its logprobs, when asked) joins the request; the step's output for
+        it (None for an unfinished final_only request)."""
         if req.grammar is not None:  # a failed compile, a grammar with nothing left, the model's end
             ended = self.structured.verdict(req, token)
             if ended is not None:
                 return self.end(req, ended[0], now, ended[1])
-        # The grammar takes the token first: one it rejects (raises) never lands in the output.
+        # The grammar takes the token first: one it rejects (raises) never lands in the output, nor
+        # does its logprob (output_token_ids and logprobs always have the same length).
         grammar_ended = req.grammar is not None and self.structured.accept(req, token)  # took a stop token
         req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs[0])
+            req.top_logprobs.append(logprobs[1])
         m = req.metrics
         m.token_times.append(now)
         if m.first_token_time is None:

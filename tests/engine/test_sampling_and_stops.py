@@ -54,6 +54,20 @@ def test_temperatures_too_small_to_divide_by_sample_greedily():
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-5).greedy
 
 
+def test_temperatures_past_float32_are_refused_and_the_largest_draws_within_the_mask():
+    # The sampler divides float32 logits by the temperature: 1e39 is inf there, -inf / inf is NaN and the
+    # draw was token 0, outside a grammar's mask. Refused above float32's largest; that one still draws.
+    largest = torch.finfo(torch.float32).max
+    for temperature in (1e39, 1e300, 10**400):
+        (problem,) = SamplingParams(temperature=temperature).problems()
+        assert problem.startswith(f"temperature={temperature!r} must be a finite number >= 0"), problem
+    assert SamplingParams(temperature=largest).problems() == []
+    logits = torch.tensor([[-float("inf"), 0.5, 3.0, -float("inf")]])
+    sampler = Sampler(seed=1, device=torch.device("cpu"))
+    drawn = {sampler.sample(logits, [_req(temperature=largest)])[0] for _ in range(200)}
+    assert drawn == {1, 2}  # uniform over the allowed tokens, never a masked one
+
+
 def test_params_are_the_requests_own_copy(tiny_hf_model_dir):
     """A caller that reuses one SamplingParams (a new seed per request) or edits it after add_request
     changes no queued request; before, every request ran with the last seed and unvalidated edits."""
@@ -196,6 +210,7 @@ def test_streamed_deltas_never_show_a_stop_string(tiny_hf_model_dir, stop):
         (SamplingParams(temperature=None), "temperature=None"),
         (SamplingParams(temperature=float("nan")), "temperature=nan"),  # nan > 0 is False: was greedy
         (SamplingParams(temperature=float("inf")), "temperature=inf"),  # was a uniform draw
+        (SamplingParams(temperature=1e39), "temperature=1e+39"),  # inf in float32: was a NaN draw
         (SamplingParams(top_k=None), "top_k=None"),
         (SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
         (SamplingParams(stop_token_ids=5), "stop_token_ids=5"),

@@ -410,7 +410,8 @@ def test_a_grammar_that_matches_nothing_fails_before_its_prefill_naming_itself(t
     eng = engine_for("tiny", tiny_hf_model_dir)
     bad = eng.add_request([1, 2, 3], sampling(0.0, None, regex="[^\\x00-\\U0010FFFF]"))
     good = eng.add_request([1, 2, 3], sampling(0.0, None, max_tokens=4, choice=["x"]))
-    done = run_to_completion(eng)
+    eng.requests[bad].grammar.compiled.exception()  # the compile runs on a thread: on a loaded machine
+    done = run_to_completion(eng)                   # a first step could otherwise come before it ends
     assert done[bad].finish_reason == "error" and "regex matches no text" in done[bad].error, done[bad].error
     assert "stop" not in done[bad].error and done[bad].metrics.first_scheduled_time is None
     assert done[good].text == "x"
@@ -427,6 +428,91 @@ def test_a_token_the_grammar_rejects_never_reaches_the_output(tiny_hf_model_dir,
     out = run_to_completion(eng)[rid]
     assert out.finish_reason == "error" and "rejected token" in out.error
     assert out.output_token_ids == [] and out.text == ""  # before: the rejected token was in the text
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_token_the_grammar_rejects_leaves_no_logprob(tiny_hf_model_dir, monkeypatch, n):
+    """Before, the logprob was appended before the grammar took the token: a rejected token's logprob
+    stayed in the output, one more than its tokens (for n > 1, in each sample's)."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    params = SamplingParams(max_tokens=8, temperature=0.0 if n == 1 else 1.0, seed=3, n=n, logprobs=1,
+                            structured=StructuredOutputs(choice=["yes", "no"]))
+    eng.add_request([1, 2, 3], params)
+
+    def reject(req, token):
+        raise RuntimeError(f"the choice grammar rejected token {token}")
+
+    monkeypatch.setattr(eng.updater.structured, "accept", reject)
+    outs = [o for _ in range(50) for o in eng.step() if o.finished]
+    assert len(outs) == n and not eng.has_unfinished_requests()
+    for out in outs:
+        assert out.finish_reason == "error" and "rejected token" in out.error
+        assert out.output_token_ids == [] and out.logprobs == [] and out.top_logprobs == []
+
+
+def test_a_grammar_that_ends_the_request_instead_of_its_token_leaves_no_logprob(tiny_hf_model_dir):
+    """The grammar's verdict (here: stuck, its "}" one of the stop_token_ids) ends the request without
+    its last drawn token; before, that token's logprob was in the output all the same."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[ord("}")], logprobs=2,
+                            structured=StructuredOutputs(regex=r"\{[ab]\}"))
+    rid = eng.add_request([1, 2, 3], params)
+    out = run_to_completion(eng)[rid]
+    assert out.finish_reason == "error" and out.text in ("{a", "{b"), (out.finish_reason, out.text)
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.output_token_ids) == 2
+
+
+def test_a_stop_token_the_grammar_needs_first_is_named_before_the_prefill(tiny_hf_model_dir):
+    """The regex is fine, but its first byte "x" is one of the request's stop_token_ids (taken out of the
+    grammar's vocabulary): the error names them, not the regex (before: "regex matches no text ... fix
+    the regex"). A regex that matches nothing says so still, stop_token_ids or not."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    collide = eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[ord("x")],
+                                                        structured=StructuredOutputs(regex="x[a-z]{2}")))
+    empty = eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[ord("x")],
+                                                      structured=StructuredOutputs(regex="[^\\x00-\\U0010FFFF]")))
+    good = eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[ord("!")],
+                                                     structured=StructuredOutputs(regex="x[a-z]{2}")))
+    for rid in (collide, empty):
+        eng.requests[rid].grammar.compiled.exception()  # compiled (on its thread) before the first step
+    done = run_to_completion(eng)
+    err = done[collide].error
+    assert done[collide].finish_reason == "error" and done[collide].metrics.first_scheduled_time is None
+    assert f"stop_token_ids [{ord('x')}]" in err and "remove them" in err and "matches no text" not in err, err
+    assert done[empty].finish_reason == "error" and "regex matches no text" in done[empty].error
+    assert done[good].finish_reason == "stop" and re.match("x[a-z]{2}", done[good].text), done[good].text
+
+
+def test_the_requests_copy_holds_a_dict_schema_as_its_json_text_and_its_own_lists(tiny_hf_model_dir):
+    """add_request deep-copied the params: ~62 ms a request for a 512 KB schema (4x the cache key's
+    json.dumps) and an error for a schema a deep copy cannot take. Now a dict schema is frozen as its JSON
+    text (what the compile reads: the same grammar, key and refusals) and the lists are copied: what the
+    caller changes afterwards reaches no request."""
+
+    class NoDeepCopy(dict):
+        def __deepcopy__(self, memo):
+            raise TypeError("no deep copy")
+
+    schema = NoDeepCopy(type="object", properties={"a": {"enum": ["x", "y"]}}, required=["a"],
+                        additionalProperties=False)
+    choices, stop = ["yes", "no"], ["zz"]
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    a = eng.add_request([1, 2, 3], SamplingParams(max_tokens=64, temperature=0.0, stop=stop,
+                                                  structured=StructuredOutputs(json_schema=schema)))
+    b = eng.add_request([1, 2, 3], sampling(1.0, 5, max_tokens=8, choice=choices))
+    # A tuple is a list to the compile: its subschemas are checked as a list's (before, not at all).
+    tup = eng.add_request([1, 2, 3], sampling(0.0, None, json_schema={"anyOf": ({"type": "array", "uniqueItems": True},)}))
+    unencodable = eng.add_request([1, 2, 3], sampling(0.0, None, json_schema={"enum": {1, 2}}))
+    frozen = eng.requests[a].params.structured
+    assert frozen.json_schema == json.dumps(schema) and cache_key(frozen) == cache_key(StructuredOutputs(json_schema=schema))
+    schema["properties"]["a"]["enum"] = ["zzz"]
+    choices[:], stop[:] = ["maybe"], ["x"]
+    done = run_to_completion(eng)
+    assert done[a].finish_reason == "stop" and json.loads(done[a].text)["a"] in ("x", "y"), done[a].text
+    assert done[b].finish_reason == "stop" and done[b].text in ("yes", "no")
+    assert done[tup].finish_reason == "error" and "uniqueItems" in done[tup].error, done[tup].error
+    err = done[unencodable].error
+    assert "cannot be copied" in err and "TypeError" in err and "structured.json_schema as JSON text" in err, err
 
 
 def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(tiny_hf_model_dir):
