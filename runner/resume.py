@@ -73,6 +73,9 @@ class ResumeState:
     done: dict[str, int] = field(default_factory=dict)  # id -> samples written (bit mask), or ERRORED
     # (id, index) of the error rows of rows that do not own their id: a repeated id's, or one without an id
     repeats: set[tuple[str | None, int]] = field(default_factory=set)
+    # The row index of every row written. An id-less row is done when its index is there whatever the id:
+    # runs before null ids became id-less error rows wrote such a row with its index as its id.
+    indices: set[int] = field(default_factory=set)
     attempt: int = 0  # this run's number: 0 for the first run into the directory
 
     def progress(self, rid: str | None, index: int, n: int, repeat: bool) -> Progress:
@@ -80,7 +83,9 @@ class ResumeState:
         own its id (`repeat`: its id repeats an earlier row's; or it has none) is done when its error row
         was written; any other row when all n samples of its id were (a sample's error row counts), or
         when the id's one row is the whole request's error, before the fork."""
-        if repeat or rid is None:
+        if rid is None:
+            return Progress((rid, index) in self.repeats or index in self.indices)
+        if repeat:
             return Progress((rid, index) in self.repeats)
         written = self.done.get(rid)
         return Progress(is_done(written, n), written_samples(written))
@@ -100,6 +105,7 @@ class ResumeState:
             # A pre-fork failure drew no token; a sample failing after the fork had drawn its first.
             drew = (pc.fill_null(t.column("output_tokens"), 0).to_pylist() if "output_tokens" in t.schema.names
                     else [0] * t.num_rows)
+            state.indices.update(i for i in indices if i is not None)
             for rid, k, err, msg, i, n_out in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
                                                   indices, drew, strict=True):
                 if rid is None or (err and is_duplicate_id_error(msg)):  # not the id's own row

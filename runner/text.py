@@ -42,15 +42,18 @@ class TooDeep(ValueError):
                          f"other (ladle's limit for a row's JSON value); flatten the value")
 
 
-def load_json(text: str | bytes) -> Any:
+def load_json(text: str | bytes, whole: bool = True) -> Any:
     """`json.loads(text)` for JSON that comes from a row: raises TooDeep (a ValueError) for a value
-    nested deeper than MAX_JSON_DEPTH, ValueError for text that is not JSON."""
+    nested deeper than MAX_JSON_DEPTH, ValueError for text that is not JSON. whole=False: the cap is
+    left to the caller, for the parts it uses (a JSONL line's other keys may nest as they like); only
+    a value past the parser's own stack is TooDeep then."""
     try:
         value = json.loads(text)
     except RecursionError:  # deeper than the C parser's stack: far past the cap
         raise TooDeep() from None
     brackets = ("[", "{") if isinstance(text, str) else (b"[", b"{")
-    if sum(text.count(b) for b in brackets) > MAX_JSON_DEPTH:  # only then can it nest that deep: walk it (most rows never are)
+    # only with this many brackets can it nest that deep: walk it then (most rows never are)
+    if whole and sum(text.count(b) for b in brackets) > MAX_JSON_DEPTH:
         check_depth(value)
     return value
 

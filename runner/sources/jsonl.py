@@ -77,7 +77,7 @@ def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
         if not (first or b"\\u" in raw or any(needles[k] in raw for k in missing)):
             continue
         try:
-            obj = load_json(raw)
+            obj = load_json(raw, whole=False)  # its keys are what is read here
         except ValueError:  # not JSON, not UTF-8 (a UnicodeDecodeError), nested too deeply: that row's error
             continue
         if isinstance(obj, dict):
@@ -93,7 +93,7 @@ def trace_batches(files: list[Path], workload: WorkloadConfig, size: int = 4096)
     batch: dict[str, list] = {c: [] for c in cols}
     for line in read_lines(files, workload.limit):
         try:
-            obj = load_json(line.raw)
+            obj = load_json(line.raw, whole=False)  # only the arrival (and class) values are read
         except ValueError:  # not JSON, not UTF-8, nested too deeply: that row's error, no time
             obj = None
         for c in cols:
@@ -125,7 +125,9 @@ class JsonlSource(Source):
     def _row(self, line: Line) -> Row:
         c = self.workload
         try:
-            obj = load_json(line.raw)
+            # The depth cap is for the values a row is made from (sampling values: runner/sampling.py; a
+            # prompt that cannot be encoded is the row's error), not for keys ladle never reads.
+            obj = load_json(line.raw, whole=False)
             if not isinstance(obj, dict):
                 raise TypeError(f"a JSON {type(obj).__name__}, not an object")
         except TooDeep as e:

@@ -291,3 +291,12 @@ def test_release_frames_reaches_causes_contexts_and_exception_group_members():
         exceptions = 3  # an attribute of that name on another exception is not walked
 
     release_frames(NotAGroup())
+
+
+def test_the_sweep_check_expands_glob_sweeps_too(tmp_path):
+    """glob(...) needs Hydra's config loader to list a group's options: without it the check raised (a raw
+    UserWarning), was skipped, and the sweep ran its first job before failing."""
+    p = ladle("--multirun", "workload=glob(s*)", "chunking.size=16,0", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+              "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 2 and "2 job(s) of this sweep" in p.stderr, p.stderr[-3000:]
+    assert "UserWarning" not in p.stderr and "ladle summary" not in p.stdout
