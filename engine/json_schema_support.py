@@ -148,6 +148,8 @@ _LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
 _GROUP_HEAD = re.compile(r"\((?:\?(?:P?<(?![=!])[^>]*>|[A-Za-z-]*:|[>|]))?")
 _FLAGS = re.compile(r"\(\?[A-Za-z-]+\)")
 _REPEAT = re.compile(r"\{\d+(?:,\d*)?\}")
+# A repeat with spaces inside ({2, 3}): literal text to ECMA-262 (and to jsonschema), a repeat to xgrammar.
+_SPACED_REPEAT = re.compile(r"\{\s*\d+\s*(?:,\s*\d*\s*)?\}")
 
 
 def _pattern_problem(pattern: str) -> str | None:
@@ -155,6 +157,10 @@ def _pattern_problem(pattern: str) -> str | None:
     the pattern: lookarounds (a lookbehind fails to compile, refused here too for a clearer message), and an
     anchor it ignores where ignoring it loses something (`^` after, `$` before something in its branch)."""
     tokens = []  # (kind, position): "atom" (may consume characters), "open", "close", "|", "^", "$"
+    # Per open group (the pattern itself first): where its first anchor is, nested groups' included;
+    # `closed`: that of the group the last ")" closed. A repeat after ")" reads it: one pass, linear.
+    anchors: list[int | None] = [None]
+    closed: int | None = None
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
@@ -176,23 +182,31 @@ def _pattern_problem(pattern: str) -> str | None:
                 i = flags.end()
                 continue
             tokens.append(("open", i))
+            anchors.append(None)
             i = _GROUP_HEAD.match(pattern, i).end()
+        elif c == "{" and not _REPEAT.match(pattern, i) and (spaced := _SPACED_REPEAT.match(pattern, i)):
+            return (f"'pattern' {pattern!r} has {spaced.group()!r} at position {i}: the grammar engine reads it as a "
+                    f"repeat, JSON Schema's regex as literal text; write the repeat without spaces, or escape "
+                    f"the brace (\\{{) for the text")
         elif c in "*+?" or (c == "{" and _REPEAT.match(pattern, i)):
             end = i + 1 if c in "*+?" else _REPEAT.match(pattern, i).end()
             bounds = pattern[i + 1:end - 1].split(",")
             repeats = c in "*+" or (c == "{" and (bounds[-1] == "" or int(bounds[-1]) > 1))
-            if repeats and tokens and tokens[-1][0] == "close":  # a group again after itself: its anchors
-                depth, k = 0, len(tokens) - 1                    # are then preceded/followed by it
-                while k > 0 and not (tokens[k][0] == "open" and depth == 1):
-                    depth += {"close": 1, "open": -1}.get(tokens[k][0], 0)
-                    k -= 1
-                if anchored := [at for kind, at in tokens[k:] if kind in "^$"]:
-                    return (f"'pattern' {pattern!r} repeats a group holding the anchor at position {anchored[0]}, "
-                            f"which the grammar engine ignores there (and would take strings the pattern "
-                            f"rejects); move the anchor out of the group")
+            # a group again after itself: its anchors are then preceded/followed by it
+            if repeats and tokens and tokens[-1][0] == "close" and closed is not None:
+                return (f"'pattern' {pattern!r} repeats a group holding the anchor at position {closed}, "
+                        f"which the grammar engine ignores there (and would take strings the pattern "
+                        f"rejects); move the anchor out of the group")
             i = end
         else:
-            tokens.append(({")": "close"}.get(c, c if c in "|^$" else "atom"), i))
+            kind = {")": "close"}.get(c, c if c in "|^$" else "atom")
+            tokens.append((kind, i))
+            if kind in "^$" and anchors[-1] is None:
+                anchors[-1] = i
+            elif kind == "close" and len(anchors) > 1:
+                closed = anchors.pop()
+                if anchors[-1] is None:
+                    anchors[-1] = closed
             i += 1
     swapped = {"open": "close", "close": "open"}
     for anchor, stream in (("^", tokens), ("$", [(swapped.get(k, k), at) for k, at in reversed(tokens)])):

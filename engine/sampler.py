@@ -84,7 +84,8 @@ class Sampler:
         """Sample the rows that are not greedy (temperature >= GREEDY_BELOW). Rows without
         top-k/top-p/min-p need no sort over the vocabulary; only rows that filter pay for one."""
         vocab = logits.shape[1]
-        temp = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        # float32 whatever the params hold: all-int temperatures would make an int64 tensor (2**63 overflows it)
+        temp = torch.tensor([float(r.params.temperature) for r in reqs], dtype=torch.float32, device=logits.device)
         probs = (logits / temp[:, None]).softmax(dim=-1)
         noise = self._noise(reqs, vocab).clamp_(min=torch.finfo(torch.float32).tiny)  # never 0/0
         filtered = [i for i, r in enumerate(reqs) if _filters(r, vocab)]

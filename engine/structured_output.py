@@ -87,11 +87,18 @@ def spec_error(so: StructuredOutputs) -> str | None:
     except ImportError:
         return _INSTALL_HINT
     kind, value = spec_of(so)
+    if kind == "json_schema" and not isinstance(value, str):
+        # As the engine holds a request's dict schema (its JSON text, engine/input_processor.own_copy): the
+        # same checks on the same schema (int keys as strings, tuples as lists)
+        try:
+            value = json.dumps(value)
+        except (TypeError, ValueError, RecursionError) as exc:
+            return f"json_schema cannot be written as JSON ({type(exc).__name__}: {exc}); give it as JSON text"
     if kind == "json_schema" and (problem := json_schema_problem(value)):
         return problem
     try:
         if kind == "json_schema":
-            xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value), any_whitespace=False)
+            xgr.Grammar.from_json_schema(value, any_whitespace=False)
         elif kind == "regex":
             xgr.Grammar.from_regex(value)
         else:

@@ -83,6 +83,7 @@ REFUSED = {
     "'$' at position 3": ({"type": "string", "pattern": "^(a$|b)c$"}, "ac"),
     "repeats a group holding the anchor at position 2": ({"type": "string", "pattern": "^(^a)+$"}, "aa"),
     "repeats a group holding the anchor at position 5": ({"type": "string", "pattern": "^(?:a$){2}"}, "aa"),
+    "reads it as a repeat": ({"type": "string", "pattern": "^a{2, 3}$"}, "aa"),  # literal text to JSON Schema
 }
 
 
@@ -357,3 +358,12 @@ def test_a_request_with_an_unenforced_schema_fails_alone_before_compiling(tiny_e
     assert done[refused].finish_reason == "error" and "uniqueItems" in done[refused].error
     assert done[plain].finish_reason == "length"
     assert tiny_engine.structured.num_compiles == compiles  # refused before any compile started
+
+
+def test_deeply_nested_groups_are_scanned_in_one_pass():
+    """The scan walked back over a group at every repeat after it: a 6 KB pattern of 2,000 nested repeated
+    groups took ~1 s inside add_request (xgrammar compiles it in 20 ms)."""
+    depth = 3000
+    assert json_schema_problem({"type": "string", "pattern": "(" * depth + "a" + ")+" * depth}) is None
+    problem = json_schema_problem({"type": "string", "pattern": "(" * depth + "^a" + ")+" * depth})
+    assert problem is not None and "repeats a group holding the anchor at position 3000" in problem

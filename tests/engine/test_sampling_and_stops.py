@@ -68,6 +68,15 @@ def test_temperatures_past_float32_are_refused_and_the_largest_draws_within_the_
     assert drawn == {1, 2}  # uniform over the allowed tokens, never a masked one
 
 
+def test_integer_temperatures_never_fail_the_step():
+    """All-int temperatures made an int64 tensor: 2**63 (valid, below float32's largest) overflowed it and
+    failed every request of the step."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [4.0, 0.0, 1.0, 2.0]])
+    sampler = Sampler(seed=1, device=torch.device("cpu"))
+    tokens = sampler.sample(logits, [_req(temperature=1), _req(temperature=2**63)])
+    assert len(tokens) == 2 and all(0 <= t < 4 for t in tokens)
+
+
 def test_params_are_the_requests_own_copy(tiny_hf_model_dir):
     """A caller that reuses one SamplingParams (a new seed per request) or edits it after add_request
     changes no queued request; before, every request ran with the last seed and unvalidated edits."""

@@ -525,3 +525,15 @@ def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(t
     out = run_to_completion(eng)[rid]
     assert out.finish_reason == "error" and out.text in ("{a", "{b"), (out.finish_reason, out.text)
     assert "stop_token_ids" in out.error and str(ord("}")) in out.error
+
+
+def test_the_config_check_judges_a_dict_schema_as_the_engine_holds_it():
+    """The engine holds a dict schema as its JSON text (int keys as strings, tuples as lists); the config
+    check judged the dict itself: an int property key was refused there and accepted by the engine."""
+    from engine.structured_output import spec_error
+
+    schema = {"type": "object", "properties": {1: {"type": "integer"}}, "required": ["1"]}
+    assert spec_error(StructuredOutputs(json_schema=schema)) is None
+    looking = {"type": "object", "properties": {"a": {"anyOf": ({"type": "string", "pattern": "^(?!x)a$"},)}}}
+    assert "lookaround" in spec_error(StructuredOutputs(json_schema=looking))
+    assert "cannot be written as JSON" in spec_error(StructuredOutputs(json_schema={"enum": {1, 2}}))
