@@ -73,8 +73,8 @@ class ResumeState:
     done: dict[str, int] = field(default_factory=dict)  # id -> samples written (bit mask), or ERRORED
     # (id, index) of the error rows of rows that do not own their id: a repeated id's, or one without an id
     repeats: set[tuple[str | None, int]] = field(default_factory=set)
-    # The row index of every row written. An id-less row is done when its index is there whatever the id:
-    # runs before null ids became id-less error rows wrote such a row with its index as its id.
+    # Indices of rows whose id is their own index: runs before null ids became id-less error rows wrote a
+    # null-id row so. An id-less row at such an index is done (not written again beside the old row).
     indices: set[int] = field(default_factory=set)
     attempt: int = 0  # this run's number: 0 for the first run into the directory
 
@@ -105,9 +105,10 @@ class ResumeState:
             # A pre-fork failure drew no token; a sample failing after the fork had drawn its first.
             drew = (pc.fill_null(t.column("output_tokens"), 0).to_pylist() if "output_tokens" in t.schema.names
                     else [0] * t.num_rows)
-            state.indices.update(i for i in indices if i is not None)
-            for rid, k, err, msg, i, n_out in zip(t.column("id").to_pylist(), sample_indices(t), errs, messages,
-                                                  indices, drew, strict=True):
+            ids = t.column("id").to_pylist()
+            # only rows the old rule wrote (their index as their id): another row at the index is not this one
+            state.indices.update(i for rid, i in zip(ids, indices, strict=True) if i is not None and rid == str(i))
+            for rid, k, err, msg, i, n_out in zip(ids, sample_indices(t), errs, messages, indices, drew, strict=True):
                 if rid is None or (err and is_duplicate_id_error(msg)):  # not the id's own row
                     state.repeats.add((rid, i))
                 else:

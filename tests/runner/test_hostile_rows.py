@@ -259,6 +259,11 @@ def test_a_run_directory_from_before_id_less_rows_resumes_without_duplicating_th
     pq.write_table(old.replace_schema_metadata(old.schema.metadata), gen)
     _, again = run(tmp_path, *overrides)
     assert sorted((r["index"], r["id"]) for r in again) == [(0, "0"), (1, "r1"), (2, "2")]
+    # A row with a real id at an index is not a null-id row's old row: data changed in between, the null-id
+    # row now at index 1 is written (its error), not taken as done.
+    pq.write_table(pa.table({"prompt": ["a", "new", "c"], "id": [None, None, None]}), tmp_path / "p.parquet")
+    _, changed = run(tmp_path, *overrides)
+    assert (1, None) in {(r["index"], r["id"]) for r in changed}
 
 
 def test_a_deep_value_a_jsonl_row_reads_is_its_error_and_keeps_its_id(tmp_path):
