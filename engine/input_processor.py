@@ -9,13 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 from collections.abc import Container, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMetrics, RequestStatus
 from engine.sampling_params import SamplingParams, StructuredOutputs
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import StructuredOutputManager, schema_text
 
 
 class InputProcessor:
@@ -117,7 +116,7 @@ def own_copy(params: SamplingParams) -> SamplingParams:
     so = params.structured
     if isinstance(so, StructuredOutputs):
         schema = so.json_schema
-        so = dataclasses.replace(so, json_schema=json.dumps(schema) if isinstance(schema, dict) else schema,
+        so = dataclasses.replace(so, json_schema=schema_text(schema) if isinstance(schema, dict) else schema,
                                  choice=copied(so.choice))
     return dataclasses.replace(params, stop=copied(params.stop), stop_token_ids=copied(params.stop_token_ids),
                                structured=so)

@@ -79,6 +79,14 @@ def _compile_error(kind: str, exc: BaseException) -> str:
     return f"{kind} is not valid: {text}"
 
 
+def schema_text(schema: Any) -> str:
+    """A json_schema as the text the compiler reads: as it is when text, else its JSON (a dict's int keys
+    become strings, tuples lists). The one rule for the compile, the config check and the request's own
+    copy of its params (engine/input_processor.own_copy), so all three judge the same schema. Raises
+    TypeError / ValueError / RecursionError for a value JSON cannot write."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
 def spec_error(so: StructuredOutputs) -> str | None:
     """Why the spec cannot compile, found by parsing it without a tokenizer (cheap: no model needed, so
     a config-wide spec is checked before the model loads); None when it parses."""
@@ -87,11 +95,9 @@ def spec_error(so: StructuredOutputs) -> str | None:
     except ImportError:
         return _INSTALL_HINT
     kind, value = spec_of(so)
-    if kind == "json_schema" and not isinstance(value, str):
-        # As the engine holds a request's dict schema (its JSON text, engine/input_processor.own_copy): the
-        # same checks on the same schema (int keys as strings, tuples as lists)
+    if kind == "json_schema":
         try:
-            value = json.dumps(value)
+            value = schema_text(value)
         except (TypeError, ValueError, RecursionError) as exc:
             return f"json_schema cannot be written as JSON ({type(exc).__name__}: {exc}); give it as JSON text"
     if kind == "json_schema" and (problem := json_schema_problem(value)):
@@ -248,8 +254,7 @@ class StructuredOutputManager:
         if kind == "json_schema":
             # Compact JSON (", " and ": " separators, no free whitespace): a model cannot spend its
             # token budget on whitespace, a known failure of unconstrained-whitespace JSON grammars.
-            schema = value if isinstance(value, str) else json.dumps(value)
-            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            return self._compiler.compile_json_schema(schema_text(value), any_whitespace=False)
         if kind == "regex":
             return self._compiler.compile_regex(value)
         if kind == "choice":
