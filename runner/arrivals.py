@@ -41,16 +41,25 @@ class Arrivals:
         if c.process == "trace":
             if trace_value is None:
                 raise ArrivalError(f"arrival column {c.column!r} is null")
-            try:
-                t = float(trace_value) * self._scale
-            except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
-                raise ArrivalError(f"arrival column {c.column!r} holds {_short(trace_value)}, not a number") from None
+            number = trace_number(trace_value)
+            if number is None:
+                raise ArrivalError(f"arrival column {c.column!r} holds {_short(trace_value)}, not a number")
+            t = number * self._scale
             if not np.isfinite(t) or t < 0:
                 raise ArrivalError(f"arrival column {c.column!r} holds {trace_value!r}: must be a finite time >= 0")
             return c.start + t
         if c.process in ("poisson", "gamma"):
             self._t += self.gap()
         return c.start + self._t
+
+
+def trace_number(value: object) -> float | None:
+    """A trace cell as a number (a number or its text), None when it is none (the row's error here; the
+    trace-order check, runner/sources/columns.py, skips it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
+        return None
 
 
 def _short(value: object, most: int = 60) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from runner.arrivals import trace_number
 from runner.config import ConfigError, WorkloadConfig
 from runner.sources.utf8 import pylist
 
@@ -249,10 +250,8 @@ def _times(values: Any) -> np.ndarray:
 
 
 def _time(v: Any) -> float:
-    try:
-        return float(v)  # as runner/arrivals.py reads a trace value
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
+    number = trace_number(v)  # as the loop reads a trace value
+    return math.nan if number is None else number
 
 
 def _pylist(values: Any) -> list[Any]:
