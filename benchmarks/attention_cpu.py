@@ -30,9 +30,9 @@ import time
 import benchutil as bu
 import torch
 
-from engine.kv_cache import layer_cache
-from kernels import AttentionMetadata, cpu_paged, reference_attention
-from kernels.cpu_build import ARCH_FLAGS, build_info, build_library, load_library
+from ladle.engine.kv_cache import layer_cache
+from ladle.kernels import AttentionMetadata, cpu_paged, reference_attention
+from ladle.kernels.cpu_build import ARCH_FLAGS, build_info, build_library, load_library
 
 BLOCK = 16
 

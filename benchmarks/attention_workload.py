@@ -28,7 +28,7 @@ import benchutil as bu
 import torch
 from attention_cpu import attention_fns, baseline_kernel, in_layout
 
-from kernels import AttentionMetadata, cpu_layers, cpu_paged
+from ladle.kernels import AttentionMetadata, cpu_layers, cpu_paged
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 16, 8, 64, 8, 16
 
@@ -38,7 +38,7 @@ def record_schedule() -> list[tuple[list[int], list[int]]]:
     import vs_vllm
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 
     model_dir = Path(tempfile.mkdtemp(prefix="attention-workload-"))
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 The scripts run from the repository root as `.venv/bin/python benchmarks/<name>.py`; this module sits
 next to them, so they import it as `benchutil`. The project packages are imported as installed
-(`from engine import ...`).
+(`from ladle.engine import ...`).
 
 docs/benchmarks.md is made of marked sections (`<!-- section:NAME -->` ... `<!-- /section:NAME -->`);
 each script rewrites only its own section (and the machine header) when run with --write-docs.
@@ -128,7 +128,7 @@ def machine_markdown() -> str:
 # -- models --------------------------------------------------------------------------------------
 def preset_architecture(name: str) -> dict[str, Any]:
     """The `architecture` dict of conf/model/<name>.yaml (config.json keys)."""
-    with open(REPO / "conf" / "model" / f"{name}.yaml") as f:
+    with open(REPO / "ladle" / "conf" / "model" / f"{name}.yaml") as f:
         return dict(yaml.safe_load(f)["architecture"])
 
 
@@ -162,7 +162,7 @@ def describe_arch(arch: dict[str, Any]) -> str:
 
 def engine_model_config(arch: dict[str, Any], dtype: str = "float32", seed: int = 0):
     """A ModelConfig for random weights of `arch` (byte tokenizer: prompts are token ids anyway)."""
-    from engine import ModelConfig
+    from ladle.engine import ModelConfig
 
     return ModelConfig(
         name="bench", path=None, architecture=arch, tokenizer="byte", dtype=dtype, device="cpu", seed=seed

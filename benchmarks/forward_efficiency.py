@@ -120,7 +120,7 @@ def run_one(args) -> dict:
     from throughput_vs_transformers import make_prompts
     from torch._dynamo.utils import counters
 
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
 
     threads = bu.set_threads(args.threads)
     bu.quiet_random_weights()

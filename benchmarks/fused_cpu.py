@@ -23,9 +23,9 @@ import warnings
 import benchutil as bu
 import torch
 
-from engine.kv_cache import layer_cache
-from kernels import AttentionMetadata, cpu_fused
-from models import load_model
+from ladle.engine.kv_cache import layer_cache
+from ladle.kernels import AttentionMetadata, cpu_fused
+from ladle.models import load_model
 
 ARCH = {
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,

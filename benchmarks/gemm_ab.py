@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_fused, cpu_gemm
-from kernels.cpu_build import build_first
+from ladle.kernels import cpu_fused, cpu_gemm
+from ladle.kernels.cpu_build import build_first
 
 # (name, N, K, gated): the vs_vllm model's decoder weights (benchmarks/vs_vllm.py ARCH)
 SHAPES = [("qkv", 2048, 1024, False), ("o", 1024, 1024, False), ("gate_up", 6144, 1024, False),
@@ -32,7 +32,7 @@ SHAPES = [("qkv", 2048, 1024, False), ("o", 1024, 1024, False), ("gate_up", 6144
 
 def other_library(checkout: Path):
     """The other checkout's kernels/cpu_gemm_source.py, built under its own name and given the same math."""
-    spec = importlib.util.spec_from_file_location("gemm_ab_before", checkout / "kernels" / "cpu_gemm_source.py")
+    spec = importlib.util.spec_from_file_location("gemm_ab_before", checkout / "ladle" / "kernels" / "cpu_gemm_source.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     lib, error = build_first(module.SOURCE, "libladle_gemm_ab_before", cpu_gemm._open)

@@ -18,8 +18,8 @@ import time
 import benchutil as bu
 import torch
 
-from kernels import cpu_gemm
-from models.linear import pack_weight, packed_linear
+from ladle.kernels import cpu_gemm
+from ladle.models.linear import pack_weight, packed_linear
 
 HIDDEN, INTER, QKV, LAYERS, VOCAB = 1024, 3072, (16 + 2 * 8) * 64, 8, 32000
 

@@ -21,7 +21,7 @@ import time
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
 
 DEVICE = "cuda"
 
@@ -156,8 +156,8 @@ def time_attention(b: int, ctx: int, policy) -> tuple[float, torch.Tensor]:
     """Microseconds of one decode attention call (b rows of context ctx) under a split policy, and its output."""
     import triton.testing
 
-    from kernels import AttentionMetadata, triton_launch
-    from kernels.triton_attention import triton_attention
+    from ladle.kernels import AttentionMetadata, triton_launch
+    from ladle.kernels.triton_attention import triton_attention
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -185,7 +185,7 @@ def time_attention(b: int, ctx: int, policy) -> tuple[float, torch.Tensor]:
 
 
 def attention_rows(contexts: list[int], batches: list[int]) -> list[list]:
-    from kernels import triton_launch
+    from ladle.kernels import triton_launch
 
     rows = []
     for ctx in contexts:

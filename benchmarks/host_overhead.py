@@ -19,7 +19,7 @@ import time
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
 
 PHASES = ["schedule", "prepare", "forward", "sample", "update"]
 ARCH = bu.qwen3_architecture(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,

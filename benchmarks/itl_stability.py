@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams, VirtualClock
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams, VirtualClock
 
 VOCAB = 4096
 

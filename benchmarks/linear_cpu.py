@@ -7,7 +7,7 @@ Three parts (issue 21: speed; issue 22: batch invariance), fp32, torch threads f
 - speed: the projections of two Qwen3 shapes (qkv, o, gate_up, down, LM head) at row counts M, through
   each candidate: F.linear (MKL sgemm), torch.mm on a pre-transposed weight, MKL's packed GEMM
   (mkl::_mkl_linear on a weight packed for exactly M), oneDNN with the weight reordered on every call,
-  oneDNN on a weight packed once, ladle's models.linear.Linear (the packed oneDNN path plus its one-row
+  oneDNN on a weight packed once, ladle's ladle.models.linear.Linear (the packed oneDNN path plus its one-row
   padding) and the fixed-row-tile alternative (packed oneDNN called on 64-row tiles, the last one
   padded). Threads alternate 1/2 and candidates rotate inside every repeat; medians are reported.
 - forward: a whole forward (+ LM head on the sampling rows) of the 166M Qwen3 (8 layers, untied, random
@@ -35,7 +35,7 @@ import benchutil as bu
 import torch
 import torch.nn.functional as F
 
-from models.linear import Linear, pack_weight, packed_linear
+from ladle.models.linear import Linear, pack_weight, packed_linear
 
 MODELS = {  # (hidden, intermediate, q heads, kv heads, head dim, vocab)
     "qwen3-166m": (1024, 3072, 16, 8, 64, 32000),
@@ -146,8 +146,8 @@ def measure_speed(model: str, rows: list[int], threads: list[int], repeats: int,
 
 def forward_steps(model) -> dict[str, Callable[[object], torch.Tensor]]:
     """Forwards (+ LM head on each sequence's last row) of a prefill, a mixed and two decode steps."""
-    from engine.kv_cache import layer_cache
-    from kernels import AttentionMetadata
+    from ladle.engine.kv_cache import layer_cache
+    from ladle.kernels import AttentionMetadata
 
     a, block = model.arch, 16
 
@@ -176,8 +176,8 @@ def forward_steps(model) -> dict[str, Callable[[object], torch.Tensor]]:
 
 
 def measure_forward(threads: list[int], repeats: int) -> str:
-    from models import load_model
-    from models.linear import Linear
+    from ladle.models import load_model
+    from ladle.models.linear import Linear
 
     bu.quiet_random_weights()
     arch = bu.qwen3_architecture(num_hidden_layers=8, head_dim=64, vocab_size=32000, tie_word_embeddings=False)

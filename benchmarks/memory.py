@@ -59,7 +59,7 @@ def reset_peak() -> bool:
 def child(args) -> None:
     bu.set_threads(args.threads)
     bu.quiet_random_weights()
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
 
     arch = architecture(args.layers)
     chunking = ChunkingConfig(enabled=False) if args.chunk == 0 else ChunkingConfig(size=args.chunk)

@@ -17,7 +17,7 @@ import time
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
 
 ARCH = bu.qwen3_architecture(num_hidden_layers=4, hidden_size=256, intermediate_size=768, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=True,

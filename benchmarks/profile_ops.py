@@ -49,22 +49,22 @@ def _wrap_untraced_kernels() -> None:
 
         setattr(module, attr, wrapper)
 
-    from kernels import cpu_paged
+    from ladle.kernels import cpu_paged
 
     named(cpu_paged, "cpu_paged_attention", "ladle::cpu_paged_attention")
     try:
-        from kernels import cpu_gemm
+        from ladle.kernels import cpu_gemm
         named(cpu_gemm, "gemm", "ladle::cpu_gemm")
     except ImportError:  # a checkout from before the GEMM kernel
         pass
     try:
-        from kernels import cpu_fused
+        from ladle.kernels import cpu_fused
     except ImportError:  # a checkout from before the fused kernels
         return
     for name in ("add_rms_norm", "gated_activation", "qk_norm_rope"):
         named(cpu_fused, name, f"ladle::{name}")
     try:
-        from kernels import cpu_layers
+        from ladle.kernels import cpu_layers
     except ImportError:  # a checkout from before the layer stack
         return
     named(cpu_layers, "run", "ladle::cpu_layer_stack")
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     import vs_vllm
 
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 
     _wrap_untraced_kernels()
     model_dir = Path(args.cache_dir) / "qwen3-166m"

@@ -1,6 +1,6 @@
 """executor=ray scaling: the same job at 1 and 2 replicas (and executor=local for Ray's overhead).
 
-Each configuration runs the same synthetic workload through `runner.job.run_job` (what
+Each configuration runs the same synthetic workload through `ladle.runner.job.run_job` (what
 `python -m runner` runs), on one local Ray cluster started once by this script, one torch thread per
 replica (`threads=1`, `executor.num_cpus_per_replica=1`). `procs x2` is the ceiling on this machine:
 two plain processes (no Ray), each an executor=local job over half the requests, started together. The model is a random-weight Qwen3 larger
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from runner.config import CONF_DIR, register_configs
+from ladle.runner.config import CONF_DIR, register_configs
 
 
 def overrides(args: argparse.Namespace, replicas: int | None) -> list[str]:
@@ -52,7 +52,7 @@ def overrides(args: argparse.Namespace, replicas: int | None) -> list[str]:
 
 def _local_job(args: argparse.Namespace, out: Path) -> dict:
     """One executor=local job (in a process of its own for the `procs x2` baseline)."""
-    from runner.job import run_job
+    from ladle.runner.job import run_job
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -63,7 +63,7 @@ def _local_job(args: argparse.Namespace, out: Path) -> dict:
 def run_once(args: argparse.Namespace, config: str, out: Path) -> dict[str, float]:
     """`local`, `ray xN`, or `procs x2`: two plain processes (no Ray) each running half the requests,
     the most two replicas could give on this machine at that moment."""
-    from runner.job import run_job
+    from ladle.runner.job import run_job
 
     t0 = time.perf_counter()
     if config == "procs x2":
@@ -104,7 +104,7 @@ def main() -> None:
     register_configs()
     import ray
 
-    from runner.executors.checks import connect
+    from ladle.runner.executors.checks import connect
 
     if args.nice15:
         os.environ["RAY_worker_niceness"] = "15"  # Ray's own default, which executor=ray overrides

@@ -104,7 +104,7 @@ def fma_peak_gflops(threads: int = 1, repeats: int = 5, cpus: set[int] | None = 
     loop run by that many threads at once: ctypes releases the GIL), or 0.0 where there is no FMA unit to use
     or the loop does not build. cpus: the CPUs each helper thread may run on (default: the caller's; a thread
     inherits its creator's mask, which an OpenMP runtime told to bind has narrowed to one CPU)."""
-    from kernels.cpu_build import ARCH_FLAGS, compile_cached
+    from ladle.kernels.cpu_build import ARCH_FLAGS, compile_cached
 
     try:
         path, _ = compile_cached(FMA_SOURCE, "libladle_fma_peak", list(ARCH_FLAGS[0]))
@@ -194,7 +194,7 @@ FUSED_KERNELS = ("add_rms_norm", "qk_norm_rope", "gated_activation")
 
 def wrapped_attributes() -> list[tuple[object, str]]:
     """(module, attribute) of every function `install` replaces: what a caller must put back afterwards."""
-    from kernels import cpu_fused, cpu_gemm, cpu_paged
+    from ladle.kernels import cpu_fused, cpu_gemm, cpu_paged
 
     return [(cpu_gemm, "gemm"), (cpu_paged, "cpu_paged_attention"), *((cpu_fused, n) for n in FUSED_KERNELS)]
 
@@ -209,7 +209,7 @@ def install(counters: Counters) -> None:
     """Wrap the ctypes kernels (module attributes: the models call them through their modules). The CPU
     layer stack (models/cpu_stack.py) calls them from C++, where no wrapper sees them: it is switched off,
     so the layers run op by op (the same kernels and bits, with the Python between them)."""
-    from kernels import cpu_fused, cpu_gemm, cpu_layers, cpu_paged
+    from ladle.kernels import cpu_fused, cpu_gemm, cpu_layers, cpu_paged
 
     cpu_layers.set_enabled(False)
 
@@ -254,8 +254,8 @@ def install(counters: Counters) -> None:
 def outside_cpu_gemm(model) -> list[str]:
     """The model's linear layers whose CPU forward does not run through kernels/cpu_gemm (packed for oneDNN,
     or not packed at all): their calls are not counted as linear work."""
-    from kernels import cpu_gemm
-    from models.linear import Linear
+    from ladle.kernels import cpu_gemm
+    from ladle.models.linear import Linear
 
     return [name for name, m in model.named_modules()
             if isinstance(m, Linear) and not isinstance(m._packed, cpu_gemm.PackedWeight)]
@@ -266,8 +266,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-    from kernels import cpu_gemm, cpu_paged
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from ladle.kernels import cpu_gemm, cpu_paged
 
     missing = [name for name, ok in (("kernels/cpu_gemm", cpu_gemm.available()),
                                      ("kernels/cpu_paged", cpu_paged.load_library() is not None)) if not ok]
@@ -304,7 +304,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
-    from runner import startup
+    from ladle.runner import startup
 
     out = work / "roofline.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))

@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # this checkout's packages, whatever is installed
 
-from runner.startup import find_malloc, library_dirs
+from ladle.runner.startup import find_malloc, library_dirs
 
 TCMALLOC = find_malloc()  # what the CLI's start-up step would preload
 JEMALLOC = next((d / "libjemalloc.so.2" for d in library_dirs() if (d / "libjemalloc.so.2").is_file()), None)

@@ -29,8 +29,8 @@ import benchutil as bu
 import torch
 import torch.nn.functional as F
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
-from models.op_count import decode_ops_per_layer
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, SamplingParams
+from ladle.models.op_count import decode_ops_per_layer
 
 PHASES = ["schedule", "prepare", "forward", "sample", "update"]
 

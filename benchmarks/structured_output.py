@@ -28,9 +28,9 @@ from pathlib import Path
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.request import Request, RequestMetrics
-from engine.sampling_params import StructuredOutputs
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampling_params import StructuredOutputs
 
 SCHEMA = {
     "type": "object",

@@ -38,7 +38,7 @@ from pathlib import Path
 import benchutil as bu
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

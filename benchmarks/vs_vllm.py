@@ -56,7 +56,7 @@ def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], 
     import torch
 
     torch.set_num_threads(args.threads)
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 
     eng = LLMEngine(EngineConfig(
         model=ModelConfig(name="vs_vllm", path=args.model_dir, tokenizer="byte", dtype="float32", device="cpu",
@@ -66,7 +66,7 @@ def _ladle_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], 
         max_num_seqs=args.max_num_seqs,
     ))
     try:
-        from kernels import cpu_gemm
+        from ladle.kernels import cpu_gemm
     except ImportError:  # ladle_ab.py may run an older checkout's engine, from before the packed GEMM
         cpu_gemm = None
     # (getattr: such a checkout's plan may have no such field either.)
@@ -233,7 +233,7 @@ def _worker_command(python: Path, system: str, args: argparse.Namespace, threads
     if system == "ladle" and not args.no_startup:
         # What ladle's CLI does before torch loads (runner/startup.py): vLLM's CPU platform likewise
         # preloads its bundled tcmalloc in its worker, so each system runs as it ships.
-        from runner import startup
+        from ladle.runner import startup
 
         env.update(startup.plan(env, startup.find_malloc()).env)
     if system == "vllm":

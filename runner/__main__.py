@@ -1,21 +1,10 @@
-"""`python -m runner` / `ladle`: the start-up step, then the CLI (runner/cli.py, docs/RUNNER.md).
+"""`python -m runner` from a checkout of ladle: the same entry as `ladle` and `python -m ladle`.
 
-This module imports nothing heavy: runner/startup.py must act before torch is loaded (torch's OpenMP
-runtime reads its environment when it loads; a malloc is preloaded by re-executing the process).
-`LADLE_STARTUP=0` skips the step.
+This folder has no __init__.py on purpose: it is a namespace package, so it never shadows another
+distribution's `runner` module, and it is not installed (the package is `ladle`, under ladle/).
 """
 
-from __future__ import annotations
-
-
-def main() -> None:
-    from runner.startup import prepare
-
-    prepare()  # may re-execute this process once (LD_PRELOAD); returns when it is done
-    from runner.cli import main as cli_main
-
-    cli_main()
-
+from ladle.runner.__main__ import main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 
     def test_x(tiny_hf_model_dir):
         path = tiny_hf_model_dir("qwen3")      # a directory: config.json, generation_config.json, safetensors
-        model = models.load_model(str(path), None, torch.float32, "cpu")
+        model = ladle.models.load_model(str(path), None, torch.float32, "cpu")
 
 Names: see TINY_HF_MODELS. Each is built once per session. `build_tiny_hf_model(name)` returns the
 transformers model itself (fp32, eager attention) for use as a reference.

@@ -1,4 +1,4 @@
-"""Project-wide rules: the dependency direction of DESIGN and a clean lint."""
+"""Project-wide rules: the direction of dependencies (runner -> engine -> models -> kernels), no import circles, a clean lint."""
 
 from __future__ import annotations
 
@@ -12,12 +12,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> top-level modules it must never import (runner -> engine -> models -> kernels)
+PACKAGE_ROOT = ROOT / "ladle"
+
+# subpackage -> modules it must never import (runner -> engine -> models -> kernels); ladle's own are
+# named ladle.<subpackage>, third-party ones by their top-level name
 FORBIDDEN = {
-    "kernels": {"models", "engine", "runner", "hydra", "omegaconf", "pyarrow"},
-    "models": {"engine", "runner", "hydra", "omegaconf", "pyarrow"},
-    "engine": {"runner", "hydra", "omegaconf", "pyarrow", "datasets"},
+    "kernels": {"ladle.models", "ladle.engine", "ladle.runner", "hydra", "omegaconf", "pyarrow"},
+    "models": {"ladle.engine", "ladle.runner", "hydra", "omegaconf", "pyarrow"},
+    "engine": {"ladle.runner", "hydra", "omegaconf", "pyarrow", "datasets"},
 }
+
+
+def top_name(module: str) -> str:
+    """`ladle.engine.x` -> `ladle.engine`; `pyarrow.parquet` -> `pyarrow`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "ladle" else parts[0]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -25,15 +34,17 @@ def imported_modules(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            names.update(top_name(a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(top_name(node.module))
+            if node.module == "ladle":  # `from ladle import engine`
+                names.update(f"ladle.{a.name}" for a in node.names)
     return names
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_dependencies_flow_one_way(package):
-    files = sorted((ROOT / package).rglob("*.py"))
+    files = sorted((PACKAGE_ROOT / package).rglob("*.py"))
     assert files
     bad = {
         str(f.relative_to(ROOT)): sorted(imported_modules(f) & FORBIDDEN[package])
@@ -51,9 +62,6 @@ def test_ruff_is_clean():
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
-PACKAGES = ("runner", "engine", "models", "kernels")
-
-
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -63,7 +71,7 @@ def import_graph() -> dict[str, set[str]]:
     """Project module -> the project modules it imports, anywhere in the file (inside functions too).
     `from a import b` is an edge to the module a.b when b is one, else to a; a parent package is not an
     edge of its own (Python runs a package's __init__ first, but it may import its submodules)."""
-    files = {module_name(f): f for p in PACKAGES for f in sorted((ROOT / p).rglob("*.py"))}
+    files = {module_name(f): f for f in sorted(PACKAGE_ROOT.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -113,7 +121,8 @@ def test_find_cycle_finds_one():
 
 def test_no_import_circles():
     graph = import_graph()
-    assert "runner.executors.local" in graph["runner.job"]
-    assert "engine" in graph["runner.executors.local"]  # `from engine import LLMEngine` inside a function
+    assert "ladle.runner.executors.local" in graph["ladle.runner.job"]
+    # `from ladle.engine import LLMEngine` inside a function
+    assert "ladle.engine" in graph["ladle.runner.executors.local"]
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.detokenizer import Detokenizer
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.detokenizer import Detokenizer
 from tests.conftest import TEST_DEVICE
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from ladle.engine import SamplingParams
 from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion, wrap_execute
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import random_prompt, run_to_completion
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from engine.cuda_graphs import bucket_sizes
+from ladle.engine.cuda_graphs import bucket_sizes
 from tests.conftest import triton_subprocess_env
 
 
@@ -35,8 +35,8 @@ EAGER_REPLAY = textwrap.dedent(
     """
     import sys
     import torch
-    from engine import SamplingParams
-    from engine.cuda_graphs import DecodeGraphs, _Graph
+    from ladle.engine import SamplingParams
+    from ladle.engine.cuda_graphs import DecodeGraphs, _Graph
     from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
     class EagerReplay(DecodeGraphs):
@@ -110,7 +110,7 @@ def test_replayed_decodes_equal_eager(tiny_hf_model_dir, family, max_len, segmen
 
 COMPILE_SCRIPT = textwrap.dedent(
     """
-    from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
+    from ladle.engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
     from tests.conftest import TEST_DEVICE
 
     path, max_len = sys.argv[1], 256
@@ -146,7 +146,7 @@ COMPILE_SCRIPT = textwrap.dedent(
 def test_compiled_model_graphs_store_nothing_for_padding(tiny_hf_model_dir):
     """model.compile with graphs: the graphs record the compiled forward, whose last layer keeps every row
     of a decode step and so writes its keys through the attention backend, which skips slot -1 (every row
-    at capture, padding rows at replay). kernels.reference.write_kv_cache would take -1 as an index (an
+    at capture, padding rows at replay). ladle.kernels.reference.write_kv_cache would take -1 as an index (an
     IndexError on a contiguous cache, the last block's last slot on the CPU's)."""
     words = _run_script(COMPILE_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "identical"
@@ -192,8 +192,8 @@ def test_staged_inputs_equal_the_metadata_eager_builds():
     row must store nothing (slot -1) and attend to one key, also after a larger batch used those rows."""
     import torch
 
-    from engine.cuda_graphs import DecodeGraphs, _Graph
-    from kernels import AttentionMetadata
+    from ladle.engine.cuda_graphs import DecodeGraphs, _Graph
+    from ladle.kernels import AttentionMetadata
 
     block_size, width = 4, 5
     graphs = DecodeGraphs(None, [torch.zeros(1)], block_size, block_size * width, 6)
@@ -229,7 +229,7 @@ def test_staging_guard_is_recorded_on_the_copies_stream(monkeypatch):
     replay's numpy writes could race the DMA still reading the staging. Shown with a stand-in event."""
     import torch
 
-    from engine.cuda_graphs import DecodeGraphs, _Graph
+    from ladle.engine.cuda_graphs import DecodeGraphs, _Graph
 
     graphs = DecodeGraphs(None, [torch.zeros(1)], 4, 12, 2)
     for size in graphs.sizes:
@@ -333,7 +333,7 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward(caplog):
 
     import torch
 
-    from engine.cuda_graphs import DecodeGraphs, _Graph
+    from ladle.engine.cuda_graphs import DecodeGraphs, _Graph
 
     class Flaky(DecodeGraphs):
         fail_eager = False
@@ -346,7 +346,7 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward(caplog):
     caches = [torch.zeros(2, 4, 16, 1, 8)]
     graphs = Flaky(SimpleNamespace(compiled=True), caches, block_size=16, max_model_len=64, max_num_seqs=4)
     assert graphs.records_compiled
-    with caplog.at_level("WARNING", logger="engine.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="ladle.engine.cuda_graphs"):
         graphs.capture()
     assert not graphs.records_compiled and sorted(graphs.graphs) == [1, 2, 4]
     assert "recording the eager forward instead" in caplog.text and "stream is capturing" in caplog.text
@@ -368,7 +368,7 @@ def test_no_garbage_collection_runs_while_capturing():
 
     import torch
 
-    from engine.cuda_graphs import DecodeGraphs, _Graph
+    from ladle.engine.cuda_graphs import DecodeGraphs, _Graph
 
     destroyed_while_capturing = []
     state = SimpleNamespace(capturing=False)

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import models
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.config import EngineConfigError
-from engine.memory import GIB, InsufficientMemory
+from ladle import models
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.config import EngineConfigError
+from ladle.engine.memory import GIB, InsufficientMemory
 from tests.engine.test_memory_plan import _config, plan_for
 
 MAX_LEN = 128
@@ -152,7 +152,7 @@ def test_an_attention_backend_forced_to_torch_is_refused_before_loading(tiny_hf_
 
 
 def test_the_models_refusal_becomes_a_config_error(tiny_hf_model_dir, monkeypatch):
-    from models.model import CausalLM
+    from ladle.models.model import CausalLM
 
     def refuse(self, enabled=True):
         raise ValueError("no oneDNN here")
@@ -182,7 +182,7 @@ def test_the_packed_copies_are_not_dropped_in_deterministic_mode():
 
 
 def test_runner_passes_the_switch():
-    from runner.config import engine_config, to_job_config
+    from ladle.runner.config import engine_config, to_job_config
     from tests.runner.conftest import compose_cfg
 
     assert engine_config(to_job_config(compose_cfg("deterministic=true"))).deterministic is True
@@ -195,10 +195,10 @@ def test_unseeded_requests_draw_their_own_stream_in_deterministic_mode():
     Each unseeded request now draws from a seed derived from the engine's and its id."""
     import yaml as _yaml
 
-    from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
     from tests.engine.helpers import random_prompt as _prompt
 
-    tiny = _yaml.safe_load((Path(__file__).parents[2] / "conf" / "model" / "tiny.yaml").read_text())
+    tiny = _yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
     prompts = [_prompt(5 + 7 * i, seed=i, vocab=256) for i in range(6)]
 
     def tokens(size: int, order: list[int]) -> dict[str, list[int]]:

@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine import SamplingParams
-from engine.detokenizer import Detokenizer, DetokState
-from models.tokenizer import HFTokenizer
+from ladle.engine import SamplingParams
+from ladle.engine.detokenizer import Detokenizer, DetokState
+from ladle.models.tokenizer import HFTokenizer
 from tests.engine.helpers import make_engine, use_tokenizer
 
 CORPUS = [

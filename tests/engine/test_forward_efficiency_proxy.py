@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
+from ladle.engine import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.output_processor import OutputProcessor
-from engine.request import Request, RequestMetrics
-from engine.sampling_params import StructuredOutputs
-from engine.structured_output import StructuredOutputManager
-from models.tokenizer import ByteTokenizer
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.output_processor import OutputProcessor
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampling_params import StructuredOutputs
+from ladle.engine.structured_output import StructuredOutputManager
+from ladle.models.tokenizer import ByteTokenizer
 from tests.engine.helpers import random_prompt, run_to_completion
 
-TINY = yaml.safe_load((Path(__file__).parents[2] / "conf" / "model" / "tiny.yaml").read_text())
+TINY = yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
 NO_STOP = ByteTokenizer(259, specials=False)
 
 

@@ -15,12 +15,12 @@ import pytest
 import xgrammar as xgr
 import yaml
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.json_schema_support import ENFORCED_FORMATS, FORMAT_LENGTHS, json_schema_problem
-from engine.sampling_params import StructuredOutputs
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.json_schema_support import ENFORCED_FORMATS, FORMAT_LENGTHS, json_schema_problem
+from ladle.engine.sampling_params import StructuredOutputs
 from tests.engine.helpers import random_prompt, run_to_completion
 
-TINY = yaml.safe_load((Path(__file__).parents[2] / "conf" / "model" / "tiny.yaml").read_text())
+TINY = yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
 OBJ_A = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 
 
@@ -347,7 +347,7 @@ def test_sampled_outputs_validate(tiny_engine):
 
 
 def test_a_request_with_an_unenforced_schema_fails_alone_before_compiling(tiny_engine):
-    from engine.structured_output import spec_error
+    from ladle.engine.structured_output import spec_error
 
     bad = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     assert "uniqueItems" in spec_error(StructuredOutputs(json_schema=bad))  # the config-wide check

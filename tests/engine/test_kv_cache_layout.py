@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.kv_cache import KVCacheManager, layer_cache
-from engine.kv_spec import KVCacheSpec, cpu_plane_stride
-from engine.request import Request, RequestMetrics
-from kernels import AttentionMetadata, cpu_paged, reference_attention
+from ladle.engine import SamplingParams
+from ladle.engine.kv_cache import KVCacheManager, layer_cache
+from ladle.engine.kv_spec import KVCacheSpec, cpu_plane_stride
+from ladle.engine.request import Request, RequestMetrics
+from ladle.kernels import AttentionMetadata, cpu_paged, reference_attention
 from tests.engine.helpers import make_engine, random_prompt
 
 
@@ -132,7 +132,7 @@ def test_engine_outputs_bitwise_in_either_layout(tiny_hf_model_dir, monkeypatch,
         return eng.kv.kv_caches[0].is_contiguous(), hits, rows
 
     contiguous, hits, head_major = run()
-    monkeypatch.setattr("engine.kv_cache.layer_cache", _token_major)
+    monkeypatch.setattr("ladle.engine.kv_cache.layer_cache", _token_major)
     contiguous_tm, hits_tm, token_major = run()
     assert not contiguous and contiguous_tm  # the two layouts ran
     assert hits == hits_tm and (hits > 0) == (backend == "paged")

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from engine import SamplingParams
+from ladle.engine import SamplingParams
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import make_engine, random_prompt
 
@@ -253,7 +253,7 @@ def test_logprobs_other_families(tiny_hf_model_dir, family):
 def test_prompt_logprobs_rows_chunked_as_one_shot(monkeypatch):
     """token_logprobs bounds the logits it materialises; cut into 4-row pieces, it gives what one piece
     gives (ids exactly, values to float rounding), top-k only below vocab_limit."""
-    import engine.logprobs as lp_mod
+    import ladle.engine.logprobs as lp_mod
 
     gen = torch.Generator().manual_seed(0)
     weight, hidden = torch.randn(50, 8, generator=gen), torch.randn(23, 8, generator=gen)

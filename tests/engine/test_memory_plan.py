@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig
-from engine.kv_spec import KVCacheSpec
-from engine.memory import GIB, InsufficientMemory, activation_bytes, plan_kv_cache, profile_peak_bytes
-from models import resolve_architecture
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig
+from ladle.engine.kv_spec import KVCacheSpec
+from ladle.engine.memory import GIB, InsufficientMemory, activation_bytes, plan_kv_cache, profile_peak_bytes
+from ladle.models import resolve_architecture
 
 QWEN3_4B = {  # the published config.json's shapes (random weights: nothing is loaded here)
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -79,7 +79,7 @@ def test_an_explicit_cache_size_is_not_shrunk_behind_the_users_back():
 
 
 def test_activations_grow_with_the_step_budget():
-    from engine.memory import shape_of
+    from ladle.engine.memory import shape_of
 
     s = shape_of(_arch())
     small, mid, big = (activation_bytes(s, t, 64, 4096, 2) for t in (256, 512, 8192))
@@ -91,8 +91,8 @@ def test_activations_grow_with_the_step_budget():
 
 def test_the_engine_refuses_before_loading_weights(monkeypatch):
     """The check runs on config files alone: the refused run never allocates the 16 GB of weights."""
-    import models
-    from engine import memory
+    from ladle import models
+    from ladle.engine import memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 8 * GIB)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
@@ -101,7 +101,7 @@ def test_the_engine_refuses_before_loading_weights(monkeypatch):
 
 
 def test_profile_run_runs_a_forward_at_the_step_width(tiny_hf_model_dir):
-    from models import load_model
+    from ladle.models import load_model
 
     model = load_model(str(tiny_hf_model_dir("qwen3")), None, torch.float32, "cpu")
     assert profile_peak_bytes(model, 300, 128) is None  # CPU: no allocator counter, the estimate stands
@@ -111,8 +111,8 @@ def test_prompt_logprob_logits_are_budgeted(monkeypatch):
     """Prompt logprobs materialise a bounded piece of [rows, vocab] logits (engine/logprobs.py) that the
     profile run never sees: the plan holds that piece's bytes (float32 copy + log_softmax + the model's
     own logits), at the rows token_logprobs really takes (qwen3_4b: 220 rows, ~383 MiB)."""
-    import engine.logprobs as lp_mod
-    from engine.memory import prompt_logprob_bytes, sampler_bytes, shape_of
+    import ladle.engine.logprobs as lp_mod
+    from ladle.engine.memory import prompt_logprob_bytes, sampler_bytes, shape_of
 
     vocab = _arch().vocab_size
     widths = []
@@ -148,7 +148,7 @@ def _available_after_garbage(device: torch.device, events: list[str]) -> int:
     model._compiled -> model), the collector off: "collected" lands in events when the plan collects it."""
     import gc
 
-    from engine import memory
+    from ladle.engine import memory
 
     class EarlierEngine:
         def __init__(self):
@@ -169,7 +169,7 @@ def test_cuda_free_memory_is_read_after_an_earlier_engine_is_collected_and_the_c
     """On CUDA the plan reads the driver's free memory, which counts what torch's caching allocator holds as
     used: a Hydra multirun's previous job (its KV cache ~90% of the GPU), freed or waiting in a reference
     cycle, would leave the next job ~10%. The plan collects garbage and empties the cache first."""
-    from engine import memory
+    from ladle.engine import memory
 
     events = []
 
@@ -188,7 +188,7 @@ def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_ret
     """On the CPU the plan reads MemAvailable, which counts what malloc keeps of an earlier engine's memory
     (tcmalloc, which the CLI preloads, keeps freed spans): the plan collects garbage (a compiled model waits in a
     reference cycle), has malloc hand its free pages back, then reads."""
-    from engine import memory
+    from ladle.engine import memory
 
     events = []
     monkeypatch.setattr(memory, "return_free_host_memory", lambda: events.append("returned"))
@@ -200,7 +200,7 @@ def test_host_memory_is_read_after_an_earlier_engine_is_collected_and_malloc_ret
 
 RSS_AFTER_FREE = """
 import gc, torch
-from engine.memory import return_free_host_memory
+from ladle.engine.memory import return_free_host_memory
 
 def rss():
     for line in open("/proc/self/status"):
@@ -219,7 +219,7 @@ print(kept - rss())
 def test_returning_free_host_memory_lowers_the_resident_size_under_tcmalloc():
     """The real call, in a process with tcmalloc preloaded as the CLI runs: after 1 GiB of tensors is freed,
     tcmalloc still holds part of it (~128 MiB measured here) until asked to release it."""
-    from runner import startup
+    from ladle.runner import startup
 
     malloc = startup.find_malloc()
     if malloc is None or "tcmalloc" not in str(malloc):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from ladle.engine import SamplingParams
 from tests.engine.helpers import hf_greedy, make_engine, random_prompt
 from tests.engine.test_logprobs import CHUNKINGS, check_against_hf, hf_model, run
 

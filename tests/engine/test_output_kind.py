@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from engine import SamplingParams
-from models.tokenizer import HFTokenizer
+from ladle.engine import SamplingParams
+from ladle.models.tokenizer import HFTokenizer
 from tests.engine.helpers import make_engine, use_tokenizer
 from tests.engine.test_detokenizer import BUILDERS, CORPUS, _build
 
@@ -92,8 +92,8 @@ def test_a_grammar_that_ends_without_a_token_keeps_its_text(tiny_hf_model_dir, k
     """With no stop token in the vocabulary the grammar ends the request itself: its text is the
     decode of its tokens in both kinds."""
     pytest.importorskip("xgrammar")
-    from engine.sampling_params import StructuredOutputs
-    from engine.structured_output import StructuredOutputManager
+    from ladle.engine.sampling_params import StructuredOutputs
+    from ladle.engine.structured_output import StructuredOutputManager
 
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     eng.output_processor.eos_token_ids = set()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_table import PersistentBlockTable
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from ladle.engine.block_table import PersistentBlockTable
+from ladle.engine.request import Request
+from ladle.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 

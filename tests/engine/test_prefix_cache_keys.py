@@ -8,8 +8,8 @@ import subprocess
 import sys
 from array import array
 
-from engine import SamplingParams
-from engine.kv_cache import hash_block
+from ladle.engine import SamplingParams
+from ladle.engine.kv_cache import hash_block
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 
@@ -36,7 +36,7 @@ def test_a_collision_of_the_old_builtin_hash_is_two_keys_now():
 
 
 def test_keys_are_the_same_in_every_process():
-    code = "from engine.kv_cache import hash_block; print(hash_block(None, [7, 8, 9]).hex())"
+    code = "from ladle.engine.kv_cache import hash_block; print(hash_block(None, [7, 8, 9]).hex())"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert other.stdout.strip() == hash_block(None, [7, 8, 9]).hex()

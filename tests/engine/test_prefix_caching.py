@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import SamplingParams
-from engine.block_pool import BlockPool
+from ladle.engine import SamplingParams
+from ladle.engine.block_pool import BlockPool
 from tests.engine.helpers import GREEDY, fail_on_forward, make_engine, random_prompt, run_to_completion
 
 PREAMBLE = random_prompt(100, seed=1000)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from tests.engine.helpers import GREEDY, fail_on_forward, make_engine, random_prompt, run_to_completion
 
 
@@ -135,7 +135,7 @@ def test_automatic_ids_skip_the_ids_a_caller_chose(path):
 def test_params_that_cannot_be_copied_are_the_requests_error(path):
     """add_request copies the params; a schema nested past the recursion limit made the copy raise out of
     add_request (a runner job then died on that row)."""
-    from engine.sampling_params import StructuredOutputs
+    from ladle.engine.sampling_params import StructuredOutputs
 
     deep: dict = {}
     node = deep

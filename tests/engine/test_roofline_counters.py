@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import SamplingParams
-from kernels import cpu_gemm, cpu_layers, cpu_paged
+from ladle.engine import SamplingParams
+from ladle.kernels import cpu_gemm, cpu_layers, cpu_paged
 from tests.engine.helpers import make_engine, random_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -86,7 +86,7 @@ def test_a_layer_outside_cpu_gemm_is_named_and_a_zero_row_call_has_no_floor(tiny
         pytest.skip("the CPU GEMM kernel is not built here")
     eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4, device="cpu")  # the CPU kernels' counters
     eng.generate([random_prompt(7, seed=1)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    from models.linear import Linear
+    from ladle.models.linear import Linear
 
     name, layer = next((n, m) for n, m in eng.model.named_modules() if isinstance(m, Linear))
     packed = layer._packed

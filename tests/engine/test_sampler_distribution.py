@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from engine.request import Request, RequestMetrics
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampler import Sampler
+from ladle.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 DRAWS = 6000

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.request import Request, RequestMetrics
-from engine.sampler import Sampler
+from ladle.engine import SamplingParams
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampler import Sampler
 
 VOCAB = 151_936  # Qwen3's vocabulary: float32 cumulative sums saturate at 1.0 well before its tail
 

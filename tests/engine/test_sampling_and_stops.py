@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams, VirtualClock
-from engine.detokenizer import find_stop
-from engine.request import Request, RequestMetrics
-from engine.sampler import Sampler
+from ladle.engine import SamplingParams, VirtualClock
+from ladle.engine.detokenizer import find_stop
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampler import Sampler
 from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
 
 

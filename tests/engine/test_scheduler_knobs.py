@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from ladle.engine import SamplingParams
 from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
 
 DECODE = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

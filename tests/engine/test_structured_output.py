@@ -15,14 +15,14 @@ import torch
 import xgrammar as xgr
 import yaml
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from engine.request import Request, RequestMetrics
-from engine.sampling_params import StructuredOutputs
-from engine.structured_output import StructuredOutputManager, cache_key, choice_grammar
-from models.tokenizer import ByteTokenizer
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.request import Request, RequestMetrics
+from ladle.engine.sampling_params import StructuredOutputs
+from ladle.engine.structured_output import StructuredOutputManager, cache_key, choice_grammar
+from ladle.models.tokenizer import ByteTokenizer
 from tests.engine.helpers import random_prompt, run_to_completion
 
-TINY = yaml.safe_load((Path(__file__).parents[2] / "conf" / "model" / "tiny.yaml").read_text())
+TINY = yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
 
 SCHEMA = {
     "type": "object",
@@ -395,7 +395,7 @@ def test_a_tokenizer_xgrammar_cannot_use_is_named_not_blamed_on_the_spec():
 
 
 def test_the_compile_cache_is_bounded(monkeypatch):
-    import engine.structured_output as so
+    import ladle.engine.structured_output as so
 
     monkeypatch.setattr(so, "CACHE_SIZE", 2)
     mgr = StructuredOutputManager(ByteTokenizer(), 259, eos_ids=[257])
@@ -451,11 +451,12 @@ def test_a_token_the_grammar_rejects_leaves_no_logprob(tiny_hf_model_dir, monkey
 
 
 def test_a_grammar_that_ends_the_request_instead_of_its_token_leaves_no_logprob(tiny_hf_model_dir):
-    """The grammar's verdict (here: stuck, its "}" one of the stop_token_ids) ends the request without
-    its last drawn token; before, that token's logprob was in the output all the same."""
+    """The grammar's verdict (here: stuck after "{a" or "{b", as the "}" it needs before the "x" is one of
+    the stop_token_ids) ends the request without its last drawn token; before, that token's logprob was
+    in the output all the same."""
     eng = engine_for("tiny", tiny_hf_model_dir)
     params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[ord("}")], logprobs=2,
-                            structured=StructuredOutputs(regex=r"\{[ab]\}"))
+                            structured=StructuredOutputs(regex=r"\{[ab]\}x"))
     rid = eng.add_request([1, 2, 3], params)
     out = run_to_completion(eng)[rid]
     assert out.finish_reason == "error" and out.text in ("{a", "{b"), (out.finish_reason, out.text)
@@ -515,11 +516,11 @@ def test_the_requests_copy_holds_a_dict_schema_as_its_json_text_and_its_own_list
     assert "cannot be copied" in err and "TypeError" in err and "structured.json_schema as JSON text" in err, err
 
 
-def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(tiny_hf_model_dir):
-    """stop_token_ids holds "}" which the regex must end with: the grammar can never complete, so the
-    request fails naming the collision instead of finishing "stop" with "{b" (before: "stop")."""
+def test_a_stop_token_the_grammar_needs_before_its_end_fails_the_request_naming_it(tiny_hf_model_dir):
+    """stop_token_ids holds "}", which the regex needs before its last byte: the grammar can never
+    complete, so the request fails naming the collision instead of finishing "stop" with "{b"."""
     eng = engine_for("tiny", tiny_hf_model_dir)
-    spec = StructuredOutputs(regex=r"\{[ab]\}")
+    spec = StructuredOutputs(regex=r"\{[ab]\}x")
     params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[ord("}")], structured=spec)
     rid = eng.add_request([1, 2, 3], params)
     out = run_to_completion(eng)[rid]
@@ -527,10 +528,24 @@ def test_grammar_whose_needed_byte_is_a_stop_token_does_not_claim_a_valid_stop(t
     assert "stop_token_ids" in out.error and str(ord("}")) in out.error
 
 
+def test_a_stop_token_that_completes_the_grammar_ends_it_as_stop_with_matching_text(tiny_hf_model_dir):
+    """stop_token_ids holds "}", the regex's last byte: xgrammar (>= 0.2.9) allows a stop token where its
+    own text completes the grammar, so the request takes it and finishes "stop" with a full match, the
+    stop token's text included (as vLLM keeps a stop token that is not a special token)."""
+    eng = engine_for("tiny", tiny_hf_model_dir)
+    spec = StructuredOutputs(regex=r"\{[ab]\}")
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[ord("}")], logprobs=1, structured=spec)
+    rid = eng.add_request([1, 2, 3], params)
+    out = run_to_completion(eng)[rid]
+    assert out.finish_reason == "stop" and out.error is None, (out.finish_reason, out.error)
+    assert re.fullmatch(r"\{[ab]\}", out.text), out.text
+    assert out.output_token_ids[-1] == ord("}") and len(out.logprobs) == len(out.output_token_ids) == 3
+
+
 def test_the_config_check_judges_a_dict_schema_as_the_engine_holds_it():
     """The engine holds a dict schema as its JSON text (int keys as strings, tuples as lists); the config
     check judged the dict itself: an int property key was refused there and accepted by the engine."""
-    from engine.structured_output import spec_error
+    from ladle.engine.structured_output import spec_error
 
     schema = {"type": "object", "properties": {1: {"type": "integer"}}, "required": ["1"]}
     assert spec_error(StructuredOutputs(json_schema=schema)) is None

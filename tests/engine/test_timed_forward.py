@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.memory import profile_peak_bytes
+from ladle.engine import SamplingParams
+from ladle.engine.memory import profile_peak_bytes
 from tests.engine.helpers import make_engine, random_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 SCRIPT = textwrap.dedent(
     """
     import sys
-    from engine import SamplingParams
+    from ladle.engine import SamplingParams
     from tests.engine.helpers import make_engine, random_prompt
 
     path, backend = sys.argv[1], sys.argv[2]

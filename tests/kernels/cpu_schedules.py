@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import AttentionMetadata
+from ladle.kernels import AttentionMetadata
 
 
 @dataclass(slots=True)

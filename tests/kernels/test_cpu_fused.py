@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, cpu_fused
-from models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from ladle.kernels import cpu_build, cpu_fused
+from ladle.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 if cpu_build._compiler() is None:
     pytest.skip("no C++ compiler", allow_module_level=True)
@@ -35,7 +35,7 @@ def threads(request):
 
 
 def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """models.layers.RMSNorm's torch path."""
+    """ladle.models.layers.RMSNorm's torch path."""
     norm = RMSNorm(x.shape[-1], eps, offset=offset)
     return norm.with_weight(x, weight, 1.0 + weight if offset else None)
 

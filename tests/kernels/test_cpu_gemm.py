@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_gemm
-from models import linear as linear_mod
-from models.linear import Linear
+from ladle.kernels import cpu_gemm
+from ladle.models import linear as linear_mod
+from ladle.models.linear import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU GEMM kernel needs AVX-512")
 
@@ -232,7 +232,7 @@ def test_a_team_smaller_than_asked_still_computes_every_group():
     A fresh x per call: a group left out would keep a stale or uninitialised output."""
     code = textwrap.dedent("""
         import torch
-        from kernels import cpu_gemm
+        from ladle.kernels import cpu_gemm
         gen = torch.Generator().manual_seed(8)
         w = torch.randn(32 * 11 + 5, 200, generator=gen)
         packed, onednn = cpu_gemm.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -272,7 +272,7 @@ gated = pytest.mark.skipif(not cpu_gemm.gated_available(), reason="needs torch's
 @pytest.mark.parametrize("n,k", [(64, 16), (33, 77), (96, 513), (70, 3072), (31, 1100)])
 def test_gated_form_is_the_activation_kernel_then_the_gemm_bit_for_bit(threads, act, n, k):
     """K not a multiple of the 256-column pieces nor of 16 (a masked tail), rows 1 to past a 12-row chunk."""
-    from kernels import cpu_fused
+    from ladle.kernels import cpu_fused
 
     gen = torch.Generator().manual_seed(n + k)
     packed = cpu_gemm.pack(torch.randn(n, k, generator=gen) * 0.1)
@@ -284,7 +284,7 @@ def test_gated_form_is_the_activation_kernel_then_the_gemm_bit_for_bit(threads, 
 
 @gated
 def test_gated_form_takes_strided_rows_and_refuses_a_wrong_width():
-    from kernels import cpu_fused
+    from ladle.kernels import cpu_fused
 
     gen = torch.Generator().manual_seed(3)
     packed = cpu_gemm.pack(torch.randn(40, 96, generator=gen))
@@ -300,8 +300,8 @@ def test_gated_form_takes_strided_rows_and_refuses_a_wrong_width():
 def test_mlp_down_projection_runs_the_gated_form_with_the_two_pass_bits(monkeypatch):
     """models/layers.MLP on the packed path calls the gated form once (no separate activation), eager and
     compiled, with the bits of the activation kernel followed by the down projection."""
-    from kernels import cpu_fused
-    from models.layers import MLP
+    from ladle.kernels import cpu_fused
+    from ladle.models.layers import MLP
 
     torch.manual_seed(0)
     mlp = MLP(64, 160, "silu").requires_grad_(False)  # inference weights: the packed path

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import platform
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import AttentionMetadata, cpu_build, reference_attention
-from kernels.cpu_paged import cpu_paged_attention, zeros_on_huge_pages
+from ladle import kernels
+from ladle.kernels import AttentionMetadata, cpu_build, reference_attention
+from ladle.kernels.cpu_paged import cpu_paged_attention, zeros_on_huge_pages
 from tests.kernels.cpu_schedules import CacheLayout, alone, chunks, interleave, random_inputs, run_schedule
 
 if cpu_build._compiler() is None:
@@ -293,7 +294,7 @@ def test_instruction_sets_agree_bitwise(tmp_path, monkeypatch):
                         "generic": ["-march=native", "-fopenmp", "-mno-avx512f", "-mno-avx2"]}.items():
         lib, _ = cpu_build.build_library(flags, tmp_path)
         assert lib.ladle_attention_isa().decode() == name
-        monkeypatch.setattr("kernels.cpu_paged.load_library", lambda lib=lib: lib)
+        monkeypatch.setattr("ladle.kernels.cpu_paged.load_library", lambda lib=lib: lib)
         for head_major in (False, True):
             for want, got in zip(native, outputs(head_major)):
                 assert torch.equal(got, want), f"{name}, head-major {head_major}"
@@ -313,7 +314,7 @@ def test_dispatch_default_and_fallback(monkeypatch):
         kernels.set_backend("cpu-paged")
     # Without a library (no compiler): "auto" is the torch reference, and the op still works.
     monkeypatch.delenv("LADLE_ATTENTION_BACKEND")
-    monkeypatch.setattr("kernels.dispatch.load_library", lambda: None)
+    monkeypatch.setattr("ladle.kernels.dispatch.load_library", lambda: None)
     assert kernels.get_backend(cpu) == "torch"
     q, k, v, cache, meta = make_batch([(3, 4)], 4, 2, 16, 16, seed=0)
     out = kernels.attention(q, k, v, cache.clone(), meta, scale=0.25)
@@ -331,6 +332,7 @@ def test_dispatch_runs_the_kernel(monkeypatch):
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setattr(cpu_build, "_no_compiler_warned", threading.Event())
     monkeypatch.setattr(cpu_build, "_compiler", lambda: None)
     with caplog.at_level("WARNING", logger="ladle.kernels"):
         assert cpu_build.load_library() is None

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, reference_attention
-from kernels.cpu_paged import cpu_paged_attention
+from ladle.kernels import cpu_build, reference_attention
+from ladle.kernels.cpu_paged import cpu_paged_attention
 from tests.kernels.cpu_schedules import (
     CacheLayout,
     SeqInputs,

@@ -1,4 +1,4 @@
-"""kernels.cpu_paged.zeros_on_huge_pages: the KV cache's memory goes back to the OS when the cache dies,
+"""ladle.kernels.cpu_paged.zeros_on_huge_pages: the KV cache's memory goes back to the OS when the cache dies,
 and the tensor is an ordinary one to save, copy and share."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_paged import zeros_on_huge_pages
+from ladle.kernels.cpu_paged import zeros_on_huge_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_a_dead_cache_is_returned_to_the_os():
     its dynamic mmap threshold rose), with the huge-page advice, all 24 MiB stayed resident."""
     code = textwrap.dedent("""
         import gc, torch
-        from kernels.cpu_paged import zeros_on_huge_pages
+        from ladle.kernels.cpu_paged import zeros_on_huge_pages
         def rss_mib():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
         zeros_on_huge_pages((1,), torch.float32)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels import AttentionMetadata, reference_attention
+from ladle.kernels import AttentionMetadata, reference_attention
 
 
 def naive_attention(q, k_all, v_all, seq_positions, scale, window, softcap):

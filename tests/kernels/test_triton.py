@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import AttentionMetadata, reference_attention, write_kv_cache
+from ladle.kernels import AttentionMetadata, reference_attention, write_kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,9 +31,9 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
     # lazily later (e.g. gluon), which must agree. Only triton reads it; no GPU here to compile for.
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-import kernels.triton_attention as triton_attention_mod
-import kernels.triton_cache as triton_cache_mod
-from kernels import triton_launch
+import ladle.kernels.triton_attention as triton_attention_mod
+import ladle.kernels.triton_cache as triton_cache_mod
+from ladle.kernels import triton_launch
 
 KERNELS_RUN_HERE = DEVICE == "cuda" or triton_attention_mod.is_interpreted()
 needs_kernels = pytest.mark.skipif(
@@ -228,10 +228,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     print("SKIP: triton has no nvidia backend"); sys.exit(0)
-import kernels.triton_attention as A
-import kernels.triton_cache as C
-import kernels.triton_launch as L
-import kernels.triton_split_kv as S
+import ladle.kernels.triton_attention as A
+import ladle.kernels.triton_cache as C
+import ladle.kernels.triton_launch as L
+import ladle.kernels.triton_split_kv as S
 
 def signature(kernel, dtype, constexprs, wide=()):
     sig = {}
@@ -299,8 +299,8 @@ def test_kernels_compile_for_gpus():
 
 @needs_kernels
 def test_dispatch_uses_triton_when_forced(monkeypatch):
-    import kernels
-    from kernels import dispatch
+    from ladle import kernels
+    from ladle.kernels import dispatch
 
     calls = []
 
@@ -459,8 +459,7 @@ def test_split_kv_long_single_sequence_fp16(monkeypatch):
 
 
 def _tiny_model(family: str, num_layers: int):
-    import models
-
+    from ladle import models
     arch = {
         "qwen3": {"architectures": ["Qwen3ForCausalLM"]},
         "gemma3": {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 24, "sliding_window_pattern": 2},
@@ -475,7 +474,7 @@ def _tiny_model(family: str, num_layers: int):
 @pytest.mark.parametrize("family,num_layers", [("qwen3", 1), ("qwen3", 3), ("gemma3", 4)])
 def test_launch_prepared_once_per_forward(family, num_layers, monkeypatch):
     """Every layer reuses the forward's launch plan (Gemma 3's sliding and full layers included)."""
-    from engine.profiling import dummy_forward
+    from ladle.engine.profiling import dummy_forward
 
     model = _tiny_model(family, num_layers)
     assert model.arch.num_layers == num_layers
@@ -497,7 +496,7 @@ def test_launch_prepared_once_per_forward(family, num_layers, monkeypatch):
 
 def _record_launches(monkeypatch):
     """Wrap the attention kernels so that each launch records (kernel, its compile-time arguments)."""
-    import kernels.triton_split_kv as split_mod
+    import ladle.kernels.triton_split_kv as split_mod
 
     launches = []
 
@@ -523,7 +522,7 @@ def _record_launches(monkeypatch):
 def test_warm_up_launches_every_variant_a_run_uses(monkeypatch):
     """The warm-up (run on CUDA before the first step) launches every compile-time variant that the
     batches of a run with the same limits launch: decode-only, mixed, split-KV."""
-    from engine.profiling import dummy_forward, warm_up_kernels
+    from ladle.engine.profiling import dummy_forward, warm_up_kernels
 
     model = _tiny_model("gemma3", 2)
     launches = _record_launches(monkeypatch)
@@ -553,7 +552,7 @@ def test_warm_up_uses_the_run_cache_block_size(block_size, monkeypatch):
     of 16 tokens compiled nothing a run with other blocks launches (its first steps stalled on compiles).
     Its sequences share their blocks, so even the contiguous cache's one block of max_model_len per
     sequence costs one sequence's KV, not one per dummy sequence."""
-    from engine.profiling import dummy_forward, warm_up_kernels
+    from ladle.engine.profiling import dummy_forward, warm_up_kernels
 
     model = _tiny_model("qwen3", 1)
     launches = _record_launches(monkeypatch)
@@ -573,7 +572,7 @@ def test_warm_up_uses_the_run_cache_block_size(block_size, monkeypatch):
 def test_engine_greedy_with_split_kv_equals_reference(tiny_hf_model_dir, cache_backend, block_size, monkeypatch):
     """Whole engine runs (chunked prefills beside decodes, then decode-only steps) with every decode
     row split, against the torch reference backend: identical greedy tokens."""
-    from engine import SamplingParams
+    from ladle.engine import SamplingParams
     from tests.engine.helpers import make_engine, random_prompt
 
     monkeypatch.setattr(triton_launch, "DEFAULT_POLICY", EAGER_SPLIT)

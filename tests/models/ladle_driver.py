@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from engine.kv_cache import layer_cache
-from kernels import AttentionMetadata
-from models import CausalLM
+from ladle.engine.kv_cache import layer_cache
+from ladle.kernels import AttentionMetadata
+from ladle.models import CausalLM
 
 
 def make_kv_caches(model: CausalLM, num_blocks: int, block_size: int) -> list[torch.Tensor]:

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from kernels import AttentionMetadata, attention
-from models.attention_op import attention_context, attention_op
+from ladle.kernels import AttentionMetadata, attention
+from ladle.models.attention_op import attention_context, attention_op
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 16
 

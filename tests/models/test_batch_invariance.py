@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import AttentionMetadata, cpu_fused
-from models import load_model
-from models.layers import INVARIANT_ACTIVATIONS, RMSNorm, RotaryEmbedding, apply_rope
-from models.linear import onednn_available
+from ladle.kernels import AttentionMetadata, cpu_fused
+from ladle.models import load_model
+from ladle.models.layers import INVARIANT_ACTIVATIONS, RMSNorm, RotaryEmbedding, apply_rope
+from ladle.models.linear import onednn_available
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 

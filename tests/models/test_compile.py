@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import GREEDY, hf_greedy, random_prompt
 
@@ -108,7 +108,7 @@ def test_compiles_without_triton(tiny_hf_model_dir):
     code = textwrap.dedent(f"""
         import sys
         sys.modules["triton"] = None  # import triton -> ImportError, as on a machine without it
-        from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+        from ladle.engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
         eng = LLMEngine(EngineConfig(model=ModelConfig(path={str(path)!r}, dtype="float32", device="cpu",
                                                        compile=True), cache=CacheConfig(max_model_len=64)))
         out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -125,8 +125,8 @@ def test_compiles_without_triton(tiny_hf_model_dir):
 def test_compiled_decode_launches_fewer_kernels_per_layer(family):
     """Inductor's graph per decoder layer: 4 matmuls (5 in the last), the attention op and ~4 fused kernels for every
     norm, residual add, RoPE and activation (eager: 29 / 36 / 53 aten ops)."""
-    from models import load_model
-    from models.op_count import compiled_kernels_per_layer, decode_ops_per_layer
+    from ladle.models import load_model
+    from ladle.models.op_count import compiled_kernels_per_layer, decode_ops_per_layer
     from tests.conftest import TINY_HF_MODELS
 
     cls = CAUSAL_LM[family]
@@ -159,7 +159,7 @@ def test_compiled_bf16_is_bit_identical_to_eager(family):
     greedy tokens equal (with inductor's defaults, fused fp32 intermediates and mm + residual -> addmm
     changed logits by up to 0.05 and llama's greedy continuation). On LADLE_TEST_DEVICE's device: inductor
     writes C++ on the CPU and Triton on a GPU."""
-    from models import load_model
+    from ladle.models import load_model
     from tests.conftest import TEST_DEVICE, TINY_HF_MODELS
 
     cls = CAUSAL_LM[family]
@@ -173,8 +173,8 @@ def test_compiled_fp32_cpu_is_bit_identical_to_eager(family):
     """fp32 on CPU: the compiled forward calls the fused C++ kernels (kernels/cpu_fused.py) as custom ops,
     the packed linear and the attention op as eager does, so its logits are eager's, bit for bit (with
     inductor's own code for the norms, RoPE and activation they differed in the last bits)."""
-    from kernels import cpu_fused
-    from models import load_model
+    from ladle.kernels import cpu_fused
+    from ladle.models import load_model
     from tests.conftest import TINY_HF_MODELS
 
     if not cpu_fused.enabled():
@@ -189,7 +189,7 @@ def test_models_past_the_recompile_limit_share_one_graph():
     engine sweep, a server reloading): all run on one graph, each with its own weights (the packed linear's
     module key is a graph input, not a guarded constant: with it constant, the ninth model's first
     forward raised FailOnRecompileLimitHit under fullgraph=True)."""
-    from models import load_model
+    from ladle.models import load_model
     from tests.conftest import TINY_HF_MODELS
     from tests.models.ladle_driver import prompt_logits
 
@@ -214,7 +214,7 @@ def test_copied_and_pickled_compiled_models_run_their_own_weights():
     import copy
     import io
 
-    from models import load_model
+    from ladle.models import load_model
     from tests.conftest import TINY_HF_MODELS
     from tests.models.ladle_driver import prompt_logits
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from kernels import AttentionMetadata, cpu_layers
-from models import load_model
-from models.cpu_stack import _stack_ops
+from ladle.kernels import AttentionMetadata, cpu_layers
+from ladle.models import load_model
+from ladle.models.cpu_stack import _stack_ops
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 

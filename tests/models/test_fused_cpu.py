@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, cpu_fused
-from models import load_model
-from models.layers import fused_cpu
-from models.op_count import MATMUL_OPS, count_layer_ops
+from ladle.kernels import AttentionMetadata, cpu_fused
+from ladle.models import load_model
+from ladle.models.layers import fused_cpu
+from ladle.models.op_count import MATMUL_OPS, count_layer_ops
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 

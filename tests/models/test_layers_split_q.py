@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from kernels import AttentionMetadata
-from models import load_model
-from models.layers import PackedLinear
+from ladle.kernels import AttentionMetadata
+from ladle.models import load_model
+from ladle.models.layers import PackedLinear
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 
@@ -96,7 +96,7 @@ REAL_SHAPES = [(1024, 2048, 1024), (2048, 2048, 512), (1000, 96, 40)]
 def test_split_projections_are_the_packed_columns_at_real_shapes(h, q, kv, threads):
     """q_proj on the kept rows and kv_proj on every row give the packed q|k|v's columns bit for bit, biases
     included, at the row counts a step produces (one row, exact small widths, padded larger ones)."""
-    from models.linear import Linear, onednn_available
+    from ladle.models.linear import Linear, onednn_available
 
     if not onednn_available():
         pytest.skip("needs torch built with oneDNN")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.linear import (
+from ladle.models.linear import (
     Linear,
     check_batch_invariance,
     onednn_available,
@@ -190,7 +190,7 @@ def test_deterministic_refuses_what_cannot_hold_it():
 @pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_the_loader_packs_every_projection_and_the_lm_head(family, cls):
     """llama's LM head is its own weight; qwen3's is tied to the embedding (which keeps its dense copy)."""
-    from models import load_model
+    from ladle.models import load_model
     from tests.conftest import TINY_HF_MODELS
 
     arch = {"architectures": [cls], **TINY_HF_MODELS[family][1]}
@@ -208,7 +208,7 @@ def test_the_loader_packs_every_projection_and_the_lm_head(family, cls):
 def test_the_estimate_covers_padded_packed_copies():
     """kernels/cpu_gemm pads a weight's outputs to groups of 32 columns: with dimensions that are not
     multiples of 32 the memory plan's estimate must still cover what the packed copies hold."""
-    from models import load_model
+    from ladle.models import load_model
     from tests.conftest import TINY_HF_MODELS
 
     arch = {"architectures": ["Qwen3ForCausalLM"], **TINY_HF_MODELS["qwen3"][1], "vocab_size": 390,
@@ -221,7 +221,7 @@ def test_row_counts_are_bucketed_so_onednn_primitives_stay_bounded():
     """oneDNN caches a primitive (with its scratch memory) per (shape, row count): unbucketed, 512
     distinct widths of 4 small shapes grew host memory by 1.8 GB. A call runs at a bucketed width:
     exact up to 32 rows (decode steps' time grows with their rows), then padded by at most 7 / 15 / 127."""
-    from models.linear import row_bucket
+    from ladle.models.linear import row_bucket
 
     buckets = {row_bucket(m) for m in range(1, 4097)}
     assert len(buckets) <= 125

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models.layers
-from kernels.reference import write_kv_cache
-from models import load_model
+import ladle.models.layers
+from ladle.kernels.reference import write_kv_cache
+from ladle.models import load_model
 from tests.models.ladle_driver import prompt_logits
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
@@ -65,7 +65,7 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bf16_bit_identical_with_eager_attention(bf16_pairs, monkeypatch, name):
     hf, ours = bf16_pairs(name)
-    monkeypatch.setattr(models.layers, "attention", eager_attention)
+    monkeypatch.setattr(ladle.models.layers, "attention", eager_attention)
     ids = prompt()
     torch.testing.assert_close(prompt_logits(ours, ids), hf_logits(hf, ids), atol=0, rtol=0)
 

@@ -9,8 +9,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models import arch_from_config
-from models.layers import rope_inv_freq
+from ladle.models import arch_from_config
+from ladle.models.layers import rope_inv_freq
 from tests.conftest import _MODEL_CLASSES, TINY_HF_MODELS
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import RandomWeightsWarning, load_model
+from ladle.models import RandomWeightsWarning, load_model
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import prompt_logits
 
@@ -202,7 +202,7 @@ def test_bf16_weights_track_fp32(tiny_hf_model_dir):
     ("float32", "cuda", torch.bfloat16), (None, "cuda", torch.bfloat16),
 ])
 def test_dtype_auto_follows_the_checkpoint_on_cuda_and_is_fp32_on_cpu(checkpoint, device, expected):
-    from models import arch_from_config, resolve_dtype
+    from ladle.models import arch_from_config, resolve_dtype
 
     arch = arch_from_config({**QWEN3_ARCH, "torch_dtype": checkpoint} if checkpoint else QWEN3_ARCH)
     assert resolve_dtype("auto", device, arch) == expected
@@ -210,7 +210,7 @@ def test_dtype_auto_follows_the_checkpoint_on_cuda_and_is_fp32_on_cpu(checkpoint
 
 
 def test_one_place_decides_dtype():
-    from engine import llm_engine
+    from ladle.engine import llm_engine
 
     assert not hasattr(llm_engine, "resolve_device_dtype")
     with pytest.warns(RandomWeightsWarning):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata
-from models import load_model
+from ladle.kernels import AttentionMetadata
+from ladle.models import load_model
 from tests.conftest import TEST_DEVICE, build_tiny_hf_model
 from tests.models.ladle_driver import Sequence, greedy, make_kv_caches, prompt_logits
 

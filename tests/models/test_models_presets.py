@@ -9,7 +9,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from models import (
+from ladle.models import (
     ByteTokenizer,
     RandomWeightsWarning,
     arch_from_config,
@@ -19,7 +19,7 @@ from models import (
 )
 from tests.models.ladle_driver import greedy
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[2] / "ladle" / "conf" / "model"
 PUBLISHED = {  # parameters (embeddings included, tied counted once), from the model cards
     "qwen3_0_6b": 0.596e9,
     "qwen3_4b": 4.02e9,

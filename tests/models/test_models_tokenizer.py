@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from models import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from ladle.models import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "Héllo, wörld! 世界 🙂\n\ttabs & ünïcödé — end"
 
@@ -118,7 +118,7 @@ def test_byte_fallback_for_a_real_vocabulary_adds_no_special_ids():
 
 
 def test_engine_eos_ids_come_from_the_model_when_the_tokenizer_is_a_stand_in(tiny_hf_model_dir):
-    from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
+    from ladle.engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig
 
     eng = LLMEngine(EngineConfig(model=ModelConfig(path=str(tiny_hf_model_dir("qwen3")), device="cpu"),
                                  cache=CacheConfig(max_model_len=256)))

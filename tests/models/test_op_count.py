@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata
-from models import load_model
-from models.op_count import MATMUL_OPS, count_layer_ops, decode_ops_per_layer
+from ladle.kernels import AttentionMetadata
+from ladle.models import load_model
+from ladle.models.op_count import MATMUL_OPS, count_layer_ops, decode_ops_per_layer
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 

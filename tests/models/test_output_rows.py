@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kernels import AttentionMetadata, set_backend
-from models import load_model
+from ladle.kernels import AttentionMetadata, set_backend
+from ladle.models import load_model
 from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 

@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from runner.config import CONF_DIR, register_configs, to_job_config
+from ladle.runner.config import CONF_DIR, register_configs, to_job_config
 
 register_configs()
 
@@ -51,7 +51,7 @@ def compose_cfg(*overrides: str) -> DictConfig:
 @pytest.fixture(scope="session")
 def engine():
     """One tiny engine for the tests whose engine config is BASE's (each run leaves it empty)."""
-    from runner.executors.local import make_engine
+    from ladle.runner.executors.local import make_engine
 
     return make_engine(to_job_config(compose_cfg()))
 
@@ -174,8 +174,7 @@ class ModelLoaded(BaseException):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any model load fails the test: proves a config error comes before the model loads."""
-    import models
-
+    from ladle import models
     def load(*args, **kwargs):
         raise ModelLoaded("the model loader ran before the config error")
 

@@ -13,9 +13,9 @@ import dataclasses
 import json
 from typing import ClassVar
 
-from engine.clock import Clock, VirtualClock
-from engine.request import RequestMetrics, RequestOutput, StepStats
-from engine.sampling_params import SamplingParams
+from ladle.engine.clock import Clock, VirtualClock
+from ladle.engine.request import RequestMetrics, RequestOutput, StepStats
+from ladle.engine.sampling_params import SamplingParams
 
 
 class ByteTokenizer:

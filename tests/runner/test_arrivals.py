@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runner.arrivals import ArrivalError, Arrivals, arrival_times
-from runner.config import ArrivalConfig
+from ladle.runner.arrivals import ArrivalError, Arrivals, arrival_times
+from ladle.runner.config import ArrivalConfig
 
 
 def test_offline_all_at_start():

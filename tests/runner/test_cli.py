@@ -1,4 +1,4 @@
-"""`python -m runner` as a user runs it: default config, multirun + sweep report, resume, config errors."""
+"""`python -m ladle` as a user runs it: default config, multirun + sweep report, resume, config errors."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ FAST = ["sampling.max_tokens=3", "output.progress=false", "max_num_seqs=4", "cac
 
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ROOT / "runner" / "data" / "prompts.parquet"  # the sample workload's file
+PROMPTS = ROOT / "ladle" / "runner" / "data" / "prompts.parquet"  # the sample workload's file
 
 
 def ladle(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: this checkout's packages, whatever checkout an editable install points at
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ladle", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 
@@ -75,7 +75,7 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
 
     out = tmp_path / "run"
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "runner", f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
+    cmd = [sys.executable, "-m", "ladle", f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
     # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
     # a handled SIGINT instead (exec resets a handler to the default), as a terminal's Ctrl-C finds it
@@ -103,7 +103,7 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
     assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
     resume = shlex.split(said[3].strip())
-    assert resume[:3] == ["python", "-m", "runner"] and f"hydra.run.dir='{out}'" in resume
+    assert resume[:3] == ["python", "-m", "ladle"] and f"hydra.run.dir='{out}'" in resume
     assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume
     done = subprocess.run([sys.executable, *resume[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
@@ -137,7 +137,7 @@ def test_every_config_error_exits_2_with_one_message(tmp_path):
 def test_a_preset_whose_weights_are_not_cached_says_how_to_choose(tmp_path):
     env_cache = tmp_path / "empty-hf-cache"
     env = dict(os.environ, HYDRA_FULL_ERROR="0", HF_HUB_CACHE=str(env_cache), PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "runner", "model=qwen3_0_6b", f"hydra.run.dir={tmp_path / 'r'}",
+    p = subprocess.run([sys.executable, "-m", "ladle", "model=qwen3_0_6b", f"hydra.run.dir={tmp_path / 'r'}",
                         *FAST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2
     err = [line for line in p.stderr.splitlines() if line.startswith("ladle: config error")]
@@ -150,8 +150,8 @@ def test_only_ladles_own_warnings_lose_their_source_line(monkeypatch):
     import io
     import warnings
 
-    from models.loader import RandomWeightsWarning
-    from runner.cli_warnings import ROOT, install
+    from ladle.models.loader import RandomWeightsWarning
+    from ladle.runner.cli_warnings import PACKAGE_DIR, install
 
     passed_on = []  # what reaches the showwarning in place before (Python's own, outside pytest)
     monkeypatch.setattr(warnings, "showwarning", lambda *args: passed_on.append(args))
@@ -159,7 +159,7 @@ def test_only_ladles_own_warnings_lose_their_source_line(monkeypatch):
     install()  # idempotent
     buf = io.StringIO()
     warnings.showwarning(RandomWeightsWarning("weights"), RandomWeightsWarning, "/elsewhere/x.py", 3, buf)
-    warnings.showwarning(UserWarning("ours"), UserWarning, str(ROOT / "engine" / "kv_cache.py"), 9, buf)
+    warnings.showwarning(UserWarning("ours"), UserWarning, str(PACKAGE_DIR / "engine" / "kv_cache.py"), 9, buf)
     theirs = (UserWarning("theirs"), UserWarning, "/site-packages/torch/nn/x.py", 7, buf, "x = 1")
     warnings.showwarning(*theirs)
     assert buf.getvalue().splitlines() == ["ladle: warning: weights", "ladle: warning: ours"]
@@ -169,8 +169,8 @@ def test_only_ladles_own_warnings_lose_their_source_line(monkeypatch):
 FAILED_JOB_SCRIPT = """
 import gc, sys, weakref
 from pathlib import Path
-import runner.job
-from runner import cli
+import ladle.runner.job
+from ladle.runner import cli
 
 marker, sweep = Path(sys.argv[1]), sys.argv[2]
 engines = []
@@ -190,7 +190,7 @@ def run_job(cfg, out_dir, extra=None, calibration_path=None):
     marker.write_text("collected" if engines[0]() is None else "alive")
     return Result()
 
-runner.job.run_job = run_job
+ladle.runner.job.run_job = run_job
 sys.argv = ["ladle", "--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "output.plots=false"]
 cli.main()
 """
@@ -254,7 +254,7 @@ def test_release_frames_reaches_causes_contexts_and_exception_group_members():
     import gc
     import weakref
 
-    from runner.cli import release_frames
+    from ladle.runner.cli import release_frames
 
     class Held:  # stands for an engine a failed job's frame held
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from runner.config import CONF_DIR, ConfigError, check, engine_config, to_job_config
+from ladle.runner.config import CONF_DIR, ConfigError, check, engine_config, to_job_config
 from tests.runner.conftest import compose_cfg
 
 
@@ -95,7 +95,7 @@ def test_missing_source_and_column_fail_before_the_model(tmp_path, no_model_load
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from runner.executors.local import Local
+    from ladle.runner.executors.local import Local
 
     with pytest.raises(ConfigError, match="does not exist"):
         Local().run(compose_cfg("workload=parquet", f"workload.path={tmp_path}/nope.parquet"), tmp_path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import ConfigError
-from runner.job import run_job
+from ladle.runner.config import ConfigError
+from ladle.runner.job import run_job
 from tests.runner.conftest import ModelLoaded, compose_cfg
 
 

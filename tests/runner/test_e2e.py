@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from runner.arrivals import arrival_times
-from runner.config import ArrivalConfig
-from runner.job import run_job
+from ladle.runner.arrivals import arrival_times
+from ladle.runner.config import ArrivalConfig
+from ladle.runner.job import run_job
 from tests.runner.conftest import PROMPTS, check_run, compose_cfg
 
 IDS = [f"q{i}" for i in range(len(PROMPTS))]

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from runner.config import ConfigError
-from runner.job import run_job
-from runner.sampling import MAX_N
+from ladle.runner.config import ConfigError
+from ladle.runner.job import run_job
+from ladle.runner.sampling import MAX_N
 from tests.runner.conftest import compose_cfg
 from tests.runner.test_job import InterruptAfter
 

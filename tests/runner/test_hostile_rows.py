@@ -1,6 +1,6 @@
 """Hostile rows: one row's value never stops the job, and a row never takes another row's id.
 
-- A JSON value nested deeper than runner.text.MAX_JSON_DEPTH (in a JSONL line, an openai_batch line, a
+- A JSON value nested deeper than ladle.runner.text.MAX_JSON_DEPTH (in a JSONL line, an openai_batch line, a
   json_schema or choice cell) is that row's error ("nested too deeply"); it was a RecursionError that
   stopped the job before any row was written, and again on every resume.
 - `clean` walks values without recursion; whatever else a row's clean, sampling values, prompt or
@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.job import run_job
-from runner.sampling import BadValue, as_choice, as_schema
-from runner.text import MAX_JSON_DEPTH, TooDeep, clean, load_json
+from ladle.runner.job import run_job
+from ladle.runner.sampling import BadValue, as_choice, as_schema
+from ladle.runner.text import MAX_JSON_DEPTH, TooDeep, clean, load_json
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 
@@ -116,7 +116,7 @@ def test_deep_openai_batch_lines_are_error_lines(tmp_path):
 
 
 def test_a_batch_line_whose_body_raises_anything_is_an_error_line(tmp_path, monkeypatch):
-    import runner.sources.openai_batch as ob
+    import ladle.runner.sources.openai_batch as ob
 
     real = ob.body_sampling
     monkeypatch.setattr(ob, "body_sampling", lambda body, chat: real(body, chat) if body.get("max_tokens") != 7
@@ -172,8 +172,8 @@ def test_a_schema_nested_up_to_the_cap_runs_in_the_real_engine(tmp_path, engine)
 
 # -- the per-row backstop ------------------------------------------------------------------------------
 def test_an_exception_in_a_rows_clean_params_or_encode_is_that_rows_error(tmp_path, monkeypatch):
-    import runner.requests
-    import runner.sources.base
+    import ladle.runner.requests
+    import ladle.runner.sources.base
 
     def failing(real, bad_value, exc):
         def f(value, *a, **kw):
@@ -182,18 +182,18 @@ def test_an_exception_in_a_rows_clean_params_or_encode_is_that_rows_error(tmp_pa
             return real(value, *a, **kw)
         return f
 
-    monkeypatch.setattr(runner.sources.base, "clean_row",
-                        failing(runner.sources.base.clean_row, "row-b", RecursionError("too deep")))
-    monkeypatch.setattr(runner.requests, "encode_prompt",
-                        failing(runner.requests.encode_prompt, "row-c", KeyError("boom")))
-    real_params = runner.requests.row_params
+    monkeypatch.setattr(ladle.runner.sources.base, "clean_row",
+                        failing(ladle.runner.sources.base.clean_row, "row-b", RecursionError("too deep")))
+    monkeypatch.setattr(ladle.runner.requests, "encode_prompt",
+                        failing(ladle.runner.requests.encode_prompt, "row-c", KeyError("boom")))
+    real_params = ladle.runner.requests.row_params
 
     def row_params(base, values, *a):
         if values.get("temperature") == 0.5:
             raise RecursionError("too deep")
         return real_params(base, values, *a)
 
-    monkeypatch.setattr(runner.requests, "row_params", row_params)
+    monkeypatch.setattr(ladle.runner.requests, "row_params", row_params)
 
     src = write_jsonl(tmp_path / "p.jsonl", {"prompt": "row-a"}, {"prompt": "row-b"}, {"prompt": "row-c"},
                       {"prompt": "row-d", "t": 0.5}, {"prompt": "row-e"})
@@ -208,7 +208,7 @@ def test_an_exception_in_a_rows_clean_params_or_encode_is_that_rows_error(tmp_pa
 def test_an_arrival_time_no_check_foresaw_is_that_rows_error(tmp_path, monkeypatch):
     """An arrival process raising anything but ArrivalError (float() of a 400-digit integer raised
     OverflowError) stopped the job."""
-    from runner.arrivals import ArrivalStreams
+    from ladle.runner.arrivals import ArrivalStreams
 
     real_next = ArrivalStreams.next
 

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.clock import WallClock
-from runner.config import to_job_config
-from runner.job import run_job
+from ladle.engine.clock import WallClock
+from ladle.runner.config import to_job_config
+from ladle.runner.job import run_job
 from tests.runner.conftest import check_run, compose_cfg
 from tests.runner.fake_engine import FakeEngine
 
@@ -171,9 +171,9 @@ def test_benchmark_workloads_run(workload, tmp_path):
 
 def test_only_config_phase_errors_are_config_errors(monkeypatch):
     """A settings mistake exits 2 as a config error; a failure while loading weights is a real error."""
-    import models
-    from runner.config import ConfigError
-    from runner.executors.local import make_engine
+    from ladle import models
+    from ladle.runner.config import ConfigError
+    from ladle.runner.executors.local import make_engine
     from tests.runner.conftest import compose_cfg
 
     with pytest.raises(ConfigError, match="no-such-dir"):
@@ -195,11 +195,11 @@ def test_resume_command_survives_paths_hydra_would_split(tmp_path, name):
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.resume import resume_command
+    from ladle.runner.resume import resume_command
 
     out = tmp_path / name
     argv = shlex.split(resume_command(out, ["chunking.size=64", "hydra.run.dir=old"]))
-    assert argv[:4] == ["python", "-m", "runner", "chunking.size=64"]
+    assert argv[:4] == ["python", "-m", "ladle", "chunking.size=64"]
     parsed = OverridesParser.create().parse_overrides(argv[3:])
     assert [o.key_or_group for o in parsed] == ["chunking.size", "hydra.run.dir"]
     assert parsed[1].value() == str(out.resolve())

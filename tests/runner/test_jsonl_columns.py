@@ -12,9 +12,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ConfigError, WorkloadConfig
-from runner.job import run_job
-from runner.sources import open_source
+from ladle.runner.config import ConfigError, WorkloadConfig
+from ladle.runner.job import run_job
+from ladle.runner.sources import open_source
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 

@@ -7,10 +7,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from runner.calibration import Calibration
-from runner.config import ConfigError, check, to_job_config
-from runner.job import run_job
-from runner.sweep import answers
+from ladle.runner.calibration import Calibration
+from ladle.runner.config import ConfigError, check, to_job_config
+from ladle.runner.job import run_job
+from ladle.runner.sweep import answers
 from tests.runner.conftest import compose_cfg
 
 FAST_CHUNKED = ["workload=chunked_prefill", "workload.synthetic.groups.0.max_tokens=48",
@@ -94,7 +94,7 @@ def test_sweep_answers_name_the_best_runs_and_the_knee():
 
 
 def _engine(*overrides):
-    from runner.executors.local import make_engine
+    from ladle.runner.executors.local import make_engine
 
     return make_engine(to_job_config(compose_cfg(*overrides)))
 
@@ -117,7 +117,7 @@ def test_calibration_key_changes_with_what_changes_speed():
 
 
 def test_a_resumed_run_replays_the_calibration_it_started_with(tmp_path, monkeypatch):
-    from runner import calibration
+    from ladle.runner import calibration
 
     first = run_job(compose_cfg(*FAST_CHUNKED), tmp_path / "r")
     stored = json.loads((tmp_path / "r" / "calibration.json").read_text())

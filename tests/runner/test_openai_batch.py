@@ -7,10 +7,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from engine.sampling_params import StructuredOutputs
-from runner.config import ConfigError
-from runner.job import run_job
-from runner.sources.openai_batch import parse_line
+from ladle.engine.sampling_params import StructuredOutputs
+from ladle.runner.config import ConfigError
+from ladle.runner.job import run_job
+from ladle.runner.sources.openai_batch import parse_line
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine, fake_logprob
 from tests.runner.test_job import InterruptAfter

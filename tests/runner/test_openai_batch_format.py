@@ -8,7 +8,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from runner.job import run_job
+from ladle.runner.job import run_job
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine, fake_logprob
 from tests.runner.test_openai_batch import COMPLETIONS, batch_file, read_output, req, run_batch

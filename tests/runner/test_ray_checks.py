@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ConfigError
-from runner.job import run_job
+from ladle.runner.config import ConfigError
+from ladle.runner.job import run_job
 from tests.runner.conftest import compose_cfg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_ray_not_installed_says_how_to_install(tmp_path, monkeypatch):
 def _ladle(*args: str, cwd: Path, timeout: int = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, check=False,
+    return subprocess.run([sys.executable, "-m", "ladle", *args], cwd=cwd, env=env, capture_output=True, check=False,
                           text=True, timeout=timeout)
 
 

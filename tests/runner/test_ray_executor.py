@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ConfigError
-from runner.executors.shards import Routing
-from runner.job import run_job
+from ladle.runner.config import ConfigError
+from ladle.runner.executors.shards import Routing
+from ladle.runner.job import run_job
 from tests.runner.conftest import PROMPTS, compose_cfg
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]' to run the Ray tests")
@@ -114,7 +114,7 @@ def test_a_replica_that_keeps_dying_fails_the_job_and_a_rerun_resumes(mixed_parq
     cfg = compose_cfg(*_args(mixed_parquet), *RAY, "output.row_group_size=4", "executor.max_restarts=0")
     with pytest.raises(RuntimeError, match=r"replica 1: its actor died more than executor.max_restarts=0 times\. "
                                            r"The 100 rows written so far are in .*generations.parquet; the same "
-                                           r"command resumes: python -m runner"):
+                                           r"command resumes: python -m ladle"):
         run_job(cfg, tmp_path)
     # replica 0 finished its share (Ray Data went on without replica 1's block) and was merged
     written, n = _by_id(tmp_path / "generations.parquet")

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import runner.sources.jsonl as source_mod
-from runner.config import to_job_config
-from runner.executors.shards import duplicate_indices
-from runner.sources import open_source
-from runner.sources.shard import Routing, Shard
+import ladle.runner.sources.jsonl as source_mod
+from ladle.runner.config import to_job_config
+from ladle.runner.executors.shards import duplicate_indices
+from ladle.runner.sources import open_source
+from ladle.runner.sources.shard import Routing, Shard
 from tests.runner.conftest import compose_cfg
 
 
@@ -140,8 +140,8 @@ def test_more_replicas_than_rows_gives_empty_shares(many_groups):
 def test_merge_conforms_replicas_written_by_an_older_ladle(tmp_path):
     """A replica that was not rerun on resume keeps the file an older ladle wrote (no logprob columns,
     a column since dropped): the merge gives every row the current schema instead of failing."""
-    from runner.executors.replica_files import stream_merge
-    from runner.sinks import generations_schema
+    from ladle.runner.executors.replica_files import stream_merge
+    from ladle.runner.sinks import generations_schema
 
     schema = generations_schema(include_prompt=True)
     new = pa.Table.from_pylist([{"id": "a", "index": 0, "sample_index": 0, "output_text": "x",

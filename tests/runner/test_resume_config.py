@@ -10,14 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from runner.config import ConfigError, to_job_config
-from runner.executors.local import Local
-from runner.executors.replica import replica_cfg
-from runner.executors.replica_files import merge_replicas, replica_dir
-from runner.job import run_job
-from runner.resume import check_sweep_resume, config_changes, resume_command
-from runner.sources import open_source
-from runner.sources.shard import Routing, Shard
+from ladle.runner.config import ConfigError, to_job_config
+from ladle.runner.executors.local import Local
+from ladle.runner.executors.replica import replica_cfg
+from ladle.runner.executors.replica_files import merge_replicas, replica_dir
+from ladle.runner.job import run_job
+from ladle.runner.resume import check_sweep_resume, config_changes, resume_command
+from ladle.runner.sources import open_source
+from ladle.runner.sources.shard import Routing, Shard
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 from tests.runner.test_cli import FAST, ladle

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import OutputConfig
-from runner.job import run_job
-from runner.resume import Progress, ResumeState
-from runner.sinks import generations_schema
-from runner.sources.rows import duplicate_id_error
+from ladle.runner.config import OutputConfig
+from ladle.runner.job import run_job
+from ladle.runner.resume import Progress, ResumeState
+from ladle.runner.sinks import generations_schema
+from ladle.runner.sources.rows import duplicate_id_error
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 

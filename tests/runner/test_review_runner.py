@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ConfigError
-from runner.job import run_job
-from runner.resume import is_done
+from ladle.runner.config import ConfigError
+from ladle.runner.job import run_job
+from ladle.runner.resume import is_done
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 from tests.runner.test_job import InterruptAfter

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.sampling_params import SamplingParams, StructuredOutputs
-from runner.config import ConfigError, check, to_job_config
-from runner.job import run_job
-from runner.resume import ERRORED, is_done, written_samples
-from runner.sampling import as_int, row_params
-from runner.sinks import TOP_LOGPROB
+from ladle.engine.sampling_params import SamplingParams, StructuredOutputs
+from ladle.runner.config import ConfigError, check, to_job_config
+from ladle.runner.job import run_job
+from ladle.runner.resume import ERRORED, is_done, written_samples
+from ladle.runner.sampling import as_int, row_params
+from ladle.runner.sinks import TOP_LOGPROB
 from tests.runner.conftest import check_run, compose_cfg
 from tests.runner.fake_engine import FakeEngine, fake_logprob
 from tests.runner.test_job import InterruptAfter
@@ -167,7 +167,7 @@ def test_config_structured_schema_as_mapping_or_text():
     for value in ("{type: object}", "'{\"type\": \"object\"}'"):
         job = to_job_config(compose_cfg(f"sampling.structured.json_schema={value}"))
         check(job)
-        from runner.sampling import base_params
+        from ladle.runner.sampling import base_params
 
         assert base_params(job.sampling).structured == StructuredOutputs(json_schema={"type": "object"})
 
@@ -176,7 +176,7 @@ def test_a_bad_config_exits_2_with_the_message(tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "runner", "sampling.n=0", f"hydra.run.dir={tmp_path}"],
+    p = subprocess.run([sys.executable, "-m", "ladle", "sampling.n=0", f"hydra.run.dir={tmp_path}"],
                        check=False, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "n=0 must be an integer >= 1" in p.stderr, p.stderr[-2000:]
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.report import distribution, format_table, itl_gaps, summarize
-from runner.sinks import (
+from ladle.runner.report import distribution, format_table, itl_gaps, summarize
+from ladle.runner.sinks import (
     STEPS_SCHEMA,
     ParquetSink,
     generations_schema,

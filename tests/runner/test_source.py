@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ConfigError, SyntheticConfig, SyntheticGroup, WorkloadConfig
-from runner.prompts import encode_prompt
-from runner.sources import open_source
+from ladle.runner.config import ConfigError, SyntheticConfig, SyntheticGroup, WorkloadConfig
+from ladle.runner.prompts import encode_prompt
+from ladle.runner.sources import open_source
 from tests.runner.conftest import PROMPTS
 from tests.runner.fake_engine import ByteTokenizer
 
@@ -105,7 +105,7 @@ def test_synthetic_is_seeded_and_shaped():
 
 
 def test_synthetic_group_arrivals_order_rows():
-    from runner.config import ArrivalConfig
+    from ladle.runner.config import ArrivalConfig
 
     groups = [SyntheticGroup(name="s", num_requests=2),
               SyntheticGroup(name="l", num_requests=4, arrival=ArrivalConfig(process="poisson", rate=10, start=0.1))]
@@ -150,7 +150,7 @@ def test_encode_prompt_chat_template_and_text_column():
 
 
 def test_chat_template_kwargs_from_the_workload_config():
-    from runner.config import to_job_config
+    from ladle.runner.config import to_job_config
     from tests.runner.conftest import compose_cfg
 
     job = to_job_config(compose_cfg("workload.chat_template=true",

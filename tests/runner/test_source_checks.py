@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import ArrivalConfig, ConfigError, WorkloadConfig, check, to_job_config
-from runner.sources import open_source
+from ladle.runner.config import ArrivalConfig, ConfigError, WorkloadConfig, check, to_job_config
+from ladle.runner.sources import open_source
 from tests.runner.conftest import compose_cfg
 
 
@@ -242,7 +242,7 @@ def test_rows_of_classes_with_their_own_arrivals_do_not_count(tmp_path):
 
 def test_check_trace_order_takes_python_values():
     """As a JSONL reader would hand them over (one dict of lists per batch)."""
-    from runner.sources.columns import check_trace_order
+    from ladle.runner.sources.columns import check_trace_order
 
     w = WorkloadConfig(arrivals=ArrivalConfig(process="trace", column="t"))
     check_trace_order(w, [{"t": [0, None, "1.5", "x"]}, {"t": [2, 10**400, {"x": 1}, -3, 2]}], "here")
@@ -257,7 +257,7 @@ def test_check_trace_order_takes_python_values():
     ({"prompt": ["a", "b"], "arrival": [1.0, 0.0]}, ["workload.arrivals.process=trace"], "not in arrival order"),
 ])
 def test_the_checks_come_before_the_model_loads(tmp_path, no_model_load, data, overrides, words):
-    from runner.executors.local import Local
+    from ladle.runner.executors.local import Local
 
     pq.write_table(pa.table(data), tmp_path / "p.parquet")
     cfg = compose_cfg("workload=parquet", f"workload.path={tmp_path}/p.parquet", *overrides)
@@ -277,8 +277,8 @@ def test_an_extension_type_is_checked_as_its_storage(tmp_path):
 def test_executor_ray_reads_a_file_without_the_optional_id_column(tmp_path, kind):
     """A directory whose second file lacks the id column reads it as null for executor=local; executor=ray's
     id pass refused it (naming prompt_column='id') and a Parquet replica's shard read raised KeyError."""
-    from runner.executors.shards import duplicate_indices
-    from runner.sources.shard import Routing, Shard
+    from ladle.runner.executors.shards import duplicate_indices
+    from ladle.runner.sources.shard import Routing, Shard
 
     d = tmp_path / "d"
     d.mkdir()

@@ -1,5 +1,5 @@
 """The CLI's start-up step (runner/startup.py): the environment it computes, the one re-exec, the opt-out,
-the user's own settings, a missing tcmalloc, and a real `python -m runner` running with the settings."""
+the user's own settings, a missing tcmalloc, and a real `python -m ladle` running with the settings."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runner import startup
-from runner.startup import MARKER, SWITCH, Plan, find_malloc, mapped, plan, prepare, runtime_info
+from ladle.runner import startup
+from ladle.runner.startup import MARKER, SWITCH, Plan, find_malloc, mapped, plan, prepare, runtime_info
 
 ROOT = Path(__file__).resolve().parents[2]
 TC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -175,7 +175,7 @@ def _cli(tmp_path: Path, **extra: str) -> tuple[subprocess.CompletedProcess, dic
            if not k.startswith(("OMP_", "GOMP_", "KMP_", "LD_PRELOAD", "LADLE_", "MALLOC_", "GLIBC_TUNABLES"))}
     env.update(PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="0", **extra)
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "runner", f"hydra.run.dir={out}", "workload.limit=1",
+    p = subprocess.run([sys.executable, "-m", "ladle", f"hydra.run.dir={out}", "workload.limit=1",
                         "sampling.max_tokens=2", "output.progress=false", "output.plots=false", "max_num_seqs=2",
                         "cache.max_model_len=256"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
@@ -184,7 +184,7 @@ def _cli(tmp_path: Path, **extra: str) -> tuple[subprocess.CompletedProcess, dic
 
 
 def test_cli_runs_with_the_settings(tmp_path):
-    """A real `python -m runner`: the job itself runs with PASSIVE and (where installed) tcmalloc mapped."""
+    """A real `python -m ladle`: the job itself runs with PASSIVE and (where installed) tcmalloc mapped."""
     p, runtime = _cli(tmp_path)
     lines = [line for line in p.stderr.splitlines() if line.startswith("ladle: runtime:")]
     assert len(lines) == 1, p.stderr[-2000:]  # one line: the process executed itself once, not in a loop
@@ -213,7 +213,7 @@ def test_a_program_read_from_stdin_runs_without_restarting(tmp_path):
     fake = tmp_path / "libtcmalloc_minimal.so.4"
     fake.write_bytes(b"")  # never loaded: the program must not be restarted at all
     program = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path\n"
-               f"from runner.startup import prepare\nprepare(malloc=Path({str(fake)!r}))\n"
+               f"from ladle.runner.startup import prepare\nprepare(malloc=Path({str(fake)!r}))\n"
                "print('the job ran', file=sys.stderr)\n")
     p = subprocess.run([sys.executable, "-"], input=program, env=_clean_env(), capture_output=True, text=True,
                        timeout=60, check=False)
@@ -269,7 +269,7 @@ def test_a_path_the_loader_would_split_is_not_preloaded(where):
 
 def test_startup_step_is_not_on_when_it_did_not_run(monkeypatch):
     """summary.json's startup_step says whether this process went through the step: a job run through the
-    Python API (runner.job.run_job), or with torch imported first, did not."""
+    Python API (ladle.runner.job.run_job), or with torch imported first, did not."""
     assert runtime_info({})["startup_step"] == "not run"
     env: dict[str, str] = {}
     prepare(argv=["x"], environ=env, execve=FakeExec(), malloc=TC, torch_loaded=True, say=lambda s: None)

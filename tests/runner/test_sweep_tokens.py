@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runner.sweep import write_sweep_report
-from runner.sweep_tokens import compare_runs, first_difference
+from ladle.runner.sweep import write_sweep_report
+from ladle.runner.sweep_tokens import compare_runs, first_difference
 
 
 def make_run(root: Path, name: str, rows: list[tuple[str, int, list[int]]] | None, size: int) -> None:

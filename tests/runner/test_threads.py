@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from runner.config import ConfigError, check, to_job_config
-from runner.job import run_job
-from runner.threads import default_threads
+from ladle.runner.config import ConfigError, check, to_job_config
+from ladle.runner.job import run_job
+from ladle.runner.threads import default_threads
 from tests.runner.conftest import compose_cfg
 
 
@@ -66,7 +66,7 @@ def _cgroup(tmp_path, v2: str | None = None, v1: tuple[int, int] | None = None, 
     ],
 )
 def test_cgroup_cpu_quota_is_read(tmp_path, v2, v1, own, expected):
-    from runner.threads import cgroup_cpu_limit
+    from ladle.runner.threads import cgroup_cpu_limit
 
     root, proc = _cgroup(tmp_path, v2, v1, own)
     assert cgroup_cpu_limit(root, proc) == expected
@@ -75,7 +75,7 @@ def test_cgroup_cpu_quota_is_read(tmp_path, v2, v1, own, expected):
 def test_a_cpu_quota_bounds_the_default(tmp_path, monkeypatch):
     """A container limited to 2 CPUs on a 64-core host: torch must not get 64 threads (they would be
     throttled by the quota at every op, the collapse the default exists to avoid)."""
-    from runner import threads
+    from ladle.runner import threads
 
     root, proc = _cgroup(tmp_path, "200000 100000")
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
@@ -86,11 +86,11 @@ def test_a_cpu_quota_bounds_the_default(tmp_path, monkeypatch):
 
 
 def test_more_threads_than_cores_is_warned(caplog):
-    from runner.threads import apply_threads, available_cores
+    from ladle.runner.threads import apply_threads, available_cores
 
     before = torch.get_num_threads()
     try:
-        with caplog.at_level("WARNING", logger="runner.threads"):
+        with caplog.at_level("WARNING", logger="ladle.runner.threads"):
             recorded = apply_threads(available_cores() + 1)
     finally:
         torch.set_num_threads(before)

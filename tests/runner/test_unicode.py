@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runner.config import OutputConfig
-from runner.job import run_job
-from runner.sinks import GENERATIONS, STEPS
-from runner.text import clean, clean_str
-from runner.writer import RunWriter
+from ladle.runner.config import OutputConfig
+from ladle.runner.job import run_job
+from ladle.runner.sinks import GENERATIONS, STEPS
+from ladle.runner.text import clean, clean_str
+from ladle.runner.writer import RunWriter
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 
@@ -139,7 +139,7 @@ def test_a_steps_file_that_cannot_open_leaves_the_previous_generations_file_as_i
 def test_json_that_datasets_refuses_is_a_config_error_naming_the_file_not_a_crash(tmp_path):
     """datasets' JSON reader refuses lone surrogates (ArrowInvalid): the job died with a traceback (exit 1).
     workload=jsonl reads the same file."""
-    from runner.config import ConfigError
+    from ladle.runner.config import ConfigError
 
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"prompt": f"a{BAD}"}) + "\n")

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from runner.job import run_job
-from runner.text import clean_str
+from ladle.runner.job import run_job
+from ladle.runner.text import clean_str
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 
