@@ -85,6 +85,7 @@ def _main(cfg: DictConfig) -> None:
     global _task_started, _sweep_dir, _sweep_runs
     _task_started = True
     from ladle.runner.job import run_job
+    from ladle.runner.resume import config_args
 
     started = time.time()
     hc = HydraConfig.get()
@@ -97,7 +98,9 @@ def _main(cfg: DictConfig) -> None:
         if hc.mode == RunMode.MULTIRUN:
             shared = Path(hc.sweep.dir) / "calibration.json"
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
-        result = run_job(cfg, out_dir, extra={"overrides": list(hc.overrides.task)}, calibration_path=shared)
+        sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra)
+        extra = {"overrides": list(hc.overrides.task), "config_args": sources}
+        result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,12 +194,29 @@ def check_sweep_resume(out: Path, config_yaml: str, resume: bool, overrides: lis
             f"hydra.sweep.dir, or set output.resume=false to start these runs over")
 
 
-def resume_command(out_dir: Path, overrides: list[str]) -> str:
-    """The exact command that resumes a run into out_dir (the same overrides, the same directory)."""
+def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = ()) -> str:
+    """The exact command that resumes a run into out_dir: the same interpreter, the same config tree
+    (config_args: a user's --config-dir, --config-name, hydra.searchpath), the same overrides, the same
+    directory."""
     # output.resume=false would start over again: the command resumes, so it leaves that override out
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
             and o.split("=", 1)[0].lstrip("+~") != "output.resume"]
-    return shlex.join(["python", "-m", "ladle", *kept, f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"])
+    run_dir = f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"
+    return shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
+
+
+def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str]) -> list[str]:
+    """The arguments that chose a run's config tree, from Hydra's runtime record of it: each --config-dir
+    (a command-line config source), a --config-name other than the shipped one, and hydra.searchpath.
+    Without them a resumed run with a user's model would not find its config."""
+    args = []
+    for source in config_sources:
+        if source.provider == "command-line" and source.path:
+            args += ["--config-dir", str(Path(source.path.removeprefix("file://")).resolve())]
+    if config_name and config_name != "config":
+        args += ["--config-name", config_name]
+    args += [o for o in hydra_overrides if o.split("=", 1)[0].lstrip("+~") == "hydra.searchpath"]
+    return args
 
 
 def hydra_quoted(value: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pyarrow as pa
@@ -199,7 +200,7 @@ def test_resume_command_survives_paths_hydra_would_split(tmp_path, name):
 
     out = tmp_path / name
     argv = shlex.split(resume_command(out, ["chunking.size=64", "hydra.run.dir=old"]))
-    assert argv[:4] == ["python", "-m", "ladle", "chunking.size=64"]
+    assert argv[:4] == [sys.executable, "-m", "ladle", "chunking.size=64"]
     parsed = OverridesParser.create().parse_overrides(argv[3:])
     assert [o.key_or_group for o in parsed] == ["chunking.size", "hydra.run.dir"]
     assert parsed[1].value() == str(out.resolve())

@@ -15,7 +15,7 @@ from ladle.runner.executors.local import Local
 from ladle.runner.executors.replica import replica_cfg
 from ladle.runner.executors.replica_files import merge_replicas, replica_dir
 from ladle.runner.job import run_job
-from ladle.runner.resume import check_sweep_resume, config_changes, resume_command
+from ladle.runner.resume import check_sweep_resume, config_args, config_changes, resume_command
 from ladle.runner.sources import open_source
 from ladle.runner.sources.shard import Routing, Shard
 from tests.runner.conftest import compose_cfg
@@ -114,3 +114,20 @@ def test_the_printed_resume_command_resumes():
     """After output.resume=false and Ctrl-C, the printed command carried output.resume=false: it started over."""
     cmd = resume_command(Path("/runs/x"), ["output.resume=false", "chunking.size=64", "+output.resume=False"])
     assert "output.resume" not in cmd and "chunking.size=64" in cmd
+
+
+def test_the_resume_command_keeps_the_config_tree_the_run_was_composed_from(tmp_path):
+    """A user's --config-dir (made absolute), --config-name and hydra.searchpath go into the command;
+    the shipped tree (the package's own source, the main config name) and other hydra overrides do not."""
+    class Source:
+        def __init__(self, path: str, provider: str) -> None:
+            self.path, self.provider = path, provider
+
+    sources = [Source("pkg://hydra.conf", "hydra"), Source("file:///pkg/ladle/conf", "main"),
+               Source(f"file://{tmp_path}/myconf", "command-line")]
+    args = config_args(sources, "mysweep", ["hydra.searchpath=[file:///extra]", "hydra.verbose=true"])
+    assert args == ["--config-dir", str(tmp_path / "myconf"), "--config-name", "mysweep",
+                    "hydra.searchpath=[file:///extra]"]
+    assert config_args(sources[:2], "config", ["hydra.job.chdir=false"]) == []
+    cmd = resume_command(tmp_path / "run", ["model=mine"], args)
+    assert cmd.split()[3:6] == ["--config-dir", str(tmp_path / "myconf"), "--config-name"]
