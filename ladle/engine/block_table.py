@@ -46,6 +46,12 @@ class PersistentBlockTable:
             out.append(row)
         return out
 
+    def gather(self, request_ids: list[Hashable], block_ids: list[list[int]]) -> torch.Tensor:
+        """These requests' block-table rows [len(request_ids), max_blocks], up to date. The table is read
+        only after `rows` made room: growing it replaces `self.table`, so a tensor bound before is stale."""
+        rows = self.rows(request_ids, block_ids)
+        return self.table.index_select(0, torch.tensor(rows, dtype=torch.int64))
+
     def release(self, request_id: Hashable) -> None:
         """A finished request gives its row back."""
         row = self._row.pop(request_id, None)

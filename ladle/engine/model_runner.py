@@ -220,7 +220,8 @@ class ModelRunner:
 
     def _batch(self, rows: _Rows) -> _Batch:
         """The flattened batch of an eager forward and its metadata (meta.outputs: the rows read)."""
-        tables = self.block_table.table.index_select(0, torch.tensor(self._table_rows(rows)))
+        reqs = rows.requests
+        tables = self.block_table.gather([r.seq_key for r in reqs], [r.block_ids for r in reqs])
         meta = AttentionMetadata.build(rows.query_lens, rows.seq_lens, tables, self.kv.block_size,
                                        device=self.device, backend=self.attention_backend)
         meta.restrict_outputs(rows.keep_from)
