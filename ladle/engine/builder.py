@@ -10,7 +10,6 @@ size, and with model.compile the forward is compiled in a warm-up, so no timed s
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.kv_spec import KVCacheSpec
 from ladle.engine.memory import (
     MemoryPlan,
+    graph_pool_bytes,
     plan_kv_cache,
     profile_peak_bytes,
     prompt_logprob_bytes,
@@ -180,9 +180,9 @@ def profile(config: EngineConfig, model: torch.nn.Module, planned: Planned) -> f
     peak = profile_peak_bytes(model, step, max_len, mc.attention_backend)
     warmup_s = 0.0
     if uses_graphs(config, planned.device):
-        # The decode graphs keep a private pool beside the eager steps' memory: the activations of a
-        # forward of the largest bucket (max_num_seqs tokens), which scale with the tokens measured.
-        peak += math.ceil(peak * min(1.0, config.max_num_seqs / step))
+        # The graphs keep a private pool beside the eager steps' memory: the activations of a forward of
+        # their largest bucket (mixed-step or decode), which scale with the tokens measured.
+        peak += graph_pool_bytes(peak, step, graph_tokens(config))
     if get_backend(planned.device, mc.attention_backend) == "triton":
         warmup_s = warm_up_kernels(model, max_len, config.max_num_seqs, step, mc.attention_backend,
                                    block_size=planned.kv_spec.block_tokens)
@@ -200,22 +200,47 @@ def uses_graphs(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" and mc.cuda_graphs and get_backend(device, mc.attention_backend) == "triton"
 
 
+def mixed_graph_tokens(config: EngineConfig) -> int:
+    """The largest mixed-step graph's tokens: model.mixed_graph_tokens within the step budget and ubatch
+    (a forward never carries more); 0: none."""
+    ch = config.chunking
+    step = ch.step_budget(config.max_num_seqs, config.cache.max_model_len)
+    return min(config.model.mixed_graph_tokens, step, ch.ubatch or step)
+
+
+def graph_tokens(config: EngineConfig) -> int:
+    """Tokens of the largest forward any graph records: what the graphs' shared pool holds."""
+    from ladle.engine.mixed_graphs import token_buckets
+
+    mixed = mixed_graph_tokens(config)
+    return max(config.max_num_seqs, token_buckets(mixed)[-1] if mixed else 0)
+
+
 def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
-    """CUDA with model.cuda_graphs and the Triton kernels: capture the decode graphs over the engine's
-    own KV cache (the graphs record its addresses). Returns the seconds it took, or None if not used."""
+    """CUDA with model.cuda_graphs and the Triton kernels: capture the mixed-step graphs, then the decode
+    graphs into the same pool, over the engine's own KV cache (the graphs record its addresses). Returns
+    the seconds it took, or None if not used."""
     from ladle.engine.cuda_graphs import DecodeGraphs
+    from ladle.engine.mixed_graphs import MixedGraphs
 
     if not uses_graphs(config, parts.planned.device):
         return None
-    mc = config.model
-    kv, cache = parts.kv, config.cache
+    mc, kv, cache, runner = config.model, parts.kv, config.cache, parts.model_runner
+    seconds, pool = 0.0, None
+    if (mixed_tokens := mixed_graph_tokens(config)) > 0:
+        mixed = MixedGraphs(parts.model, kv.kv_caches, kv.block_size, cache.max_model_len, config.max_num_seqs,
+                            mixed_tokens, mc.attention_backend)
+        seconds, pool = mixed.capture(), mixed.pool
+        runner.mixed_graphs = mixed
+        log.info("captured %d CUDA graphs (steps with prefill chunks up to %d tokens) in %.1f s",
+                 len(mixed.sizes), mixed.sizes[-1], seconds)
     graphs = DecodeGraphs(parts.model, kv.kv_caches, kv.block_size, cache.max_model_len, config.max_num_seqs,
                           mc.attention_backend)
-    seconds = graphs.capture()
-    parts.model_runner.graphs = graphs
+    decode_s = graphs.capture(pool)
+    runner.graphs = graphs
     log.info("captured %d CUDA graphs (decode batches up to %d) of the %s forward in %.1f s", len(graphs.sizes),
-             graphs.sizes[-1], "compiled" if graphs.records_compiled else "eager", seconds)
-    return seconds
+             graphs.sizes[-1], "compiled" if graphs.records_compiled else "eager", decode_s)
+    return seconds + decode_s
 
 
 def assemble(config: EngineConfig, planned: Planned, model: torch.nn.Module, warmup_s: float,

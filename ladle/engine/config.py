@@ -35,6 +35,9 @@ class ModelConfig:
     compile: bool = False  # run the forward through torch.compile (compiled once in a warm-up at start)
     cuda_graphs: bool = True  # CUDA: replay decode-only steps from graphs captured per batch size (vLLM's
     # default; false = every forward eager, vLLM's enforce_eager). Ignored on CPU.
+    # CUDA graphs: forwards with prefill chunks replay graphs keyed by padded token count up to this many
+    # tokens (within the step budget and chunking.ubatch); 0 = decode-only graphs.
+    mixed_graph_tokens: int = 2048
 
     def validate(self) -> None:
         _check(self.path is not None or self.architecture is not None, "model.path", self.path,
@@ -47,6 +50,8 @@ class ModelConfig:
                self.attention_backend, "one of auto, triton, cpu_paged, torch")
         _check(isinstance(self.compile, bool), "model.compile", self.compile, "true or false")
         _check(isinstance(self.cuda_graphs, bool), "model.cuda_graphs", self.cuda_graphs, "true or false")
+        _check(isinstance(self.mixed_graph_tokens, int) and self.mixed_graph_tokens >= 0,
+               "model.mixed_graph_tokens", self.mixed_graph_tokens, "an integer >= 0 (0: decode-only graphs)")
 
 
 @dataclass

@@ -65,22 +65,119 @@ class _Graph:
     graph: object = None  # the torch.cuda.CUDAGraph (kept alive with its pool)
 
 
-class DecodeGraphs:
+class GraphSet:
+    """What every set of captured forwards shares: the model and the engine's KV cache, the capture loop
+    (largest first into one pool, the compiled forward with the eager one as fallback, no garbage
+    collection while capturing) and the forward a graph records. A subclass holds the static buffers
+    (`input_ids`, `positions` at least) and says what a bucket's metadata is (`_meta`)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], sizes: list[int],
+                 backend: str) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.sizes = sizes
+        # model.compile: record the compiled forward (inductor's fused kernels: on a 0.6B model at batch 1,
+        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md "GPU"); the eager
+        # one if that capture fails.
+        self.records_compiled = bool(getattr(model, "compiled", False))
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None  # the memory pool the graphs share (passed on to another set's capture)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def capture(self, pool=None) -> float:
+        """Capture every bucket (largest first, one shared pool: `pool`, another set's, when given).
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        failed = False
+        try:
+            self._capture_all(pool)
+        except Exception:  # any failure of the compiled capture: fall back to the eager forward
+            if not self.records_compiled:
+                raise
+            log.warning("capturing the compiled forward into CUDA graphs failed; recording the eager forward "
+                        "instead (model.compile=false avoids the attempt)", exc_info=True)
+            failed = True
+        if failed:  # outside the handler, so the failed graphs are not kept alive by its traceback
+            self.graphs.clear()
+            self.records_compiled = False
+            self._capture_all(pool)
+        return time.perf_counter() - t0
+
+    def _capture_all(self, pool) -> None:
+        cuda = self.input_ids.is_cuda
+        # torch.cuda.graph leaves its capture stream current when ending the capture raises: restore ours.
+        stream = torch.cuda.current_stream(self.input_ids.device) if cuda else None
+        # A garbage collection during a capture may destroy a graph left in a reference cycle (an earlier
+        # engine's in this process, held by a patch of its runner: seen in a GPU test run), which CUDA forbids
+        # while a stream captures, and the capture fails. torch >= 2.9 no longer collects before capturing:
+        # collect here, and not again until the captures end (as vLLM and SGLang do).
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with self._on_device():
+                for size in reversed(self.sizes):
+                    self.graphs[size] = self._capture(size, pool)
+                    graph = self.graphs[size].graph
+                    pool = graph.pool() if graph is not None else pool
+        finally:
+            if collecting:
+                gc.enable()
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+        self.pool = pool
+        if cuda:
+            torch.cuda.synchronize(self.input_ids.device)
+
+    def _forward(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward a graph records: `meta`'s bucket of the static buffers, through the compiled forward
+        when the model has one and records_compiled, else the eager one. Both write every row's keys through
+        the attention backend (meta keeps every row), whose Triton write skips the padding slot -1."""
+        size = meta.num_tokens
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        if getattr(self.model, "compiled", False) and not self.records_compiled:
+            return self.model._forward(ids, pos, self.kv_caches, meta)
+        return self.model(ids, pos, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def _capture(self, size: int, pool) -> _Graph:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels and workspace), then
+        record the forward of the bucket `size` (its token count) into a CUDA graph."""
+        meta = self._meta(size)
+        device = self.input_ids.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(meta)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self._forward(meta)
+        return _Graph(graph.replay, meta, hidden, graph)
+
+    def _on_device(self):
+        """Make the buffers' GPU the current device (model.device=cuda:N): captures, copies and replays
+        run on its current stream, and the staging's event is recorded there."""
+        device = self.input_ids.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class DecodeGraphs(GraphSet):
     """The captured graphs of one model and KV cache: `stage` a batch of one-token sequences into the
     static buffers of the bucket that holds it, then `replay` that bucket."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, max_num_seqs: int, backend: str = "auto") -> None:
-        self.model = model
-        self.kv_caches = kv_caches
+        super().__init__(model, kv_caches, bucket_sizes(max_num_seqs), backend)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.backend = backend
-        self.sizes = bucket_sizes(max_num_seqs)
-        # model.compile: record the compiled forward (inductor's fused kernels: on a 0.6B model at batch 1,
-        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md "GPU"); the eager
-        # one if that capture fails.
-        self.records_compiled = bool(getattr(model, "compiled", False))
         device = kv_caches[0].device
         largest = self.sizes[-1]
         # One set of static inputs at the largest size; each bucket's graph reads a prefix of it. Token
@@ -105,51 +202,6 @@ class DecodeGraphs:
         self._np_tokens, self._np_seq_lens = self._host_tokens.numpy(), self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
         self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
-        self.graphs: dict[int, _Graph] = {}
-
-    def capture(self) -> float:
-        """Capture every bucket (largest first, one shared pool). Returns the seconds it took."""
-        t0 = time.perf_counter()
-        failed = False
-        try:
-            self._capture_all()
-        except Exception:  # any failure of the compiled capture: fall back to the eager forward
-            if not self.records_compiled:
-                raise
-            log.warning("capturing the compiled forward into CUDA graphs failed; recording the eager forward "
-                        "instead (model.compile=false avoids the attempt)", exc_info=True)
-            failed = True
-        if failed:  # outside the handler, so the failed graphs are not kept alive by its traceback
-            self.graphs.clear()
-            self.records_compiled = False
-            self._capture_all()
-        return time.perf_counter() - t0
-
-    def _capture_all(self) -> None:
-        pool = None
-        cuda = self.input_ids.is_cuda
-        # torch.cuda.graph leaves its capture stream current when ending the capture raises: restore ours.
-        stream = torch.cuda.current_stream(self.input_ids.device) if cuda else None
-        # A garbage collection during a capture may destroy a graph left in a reference cycle (an earlier
-        # engine's in this process, held by a patch of its runner: seen in a GPU test run), which CUDA forbids
-        # while a stream captures, and the capture fails. torch >= 2.9 no longer collects before capturing:
-        # collect here, and not again until the captures end (as vLLM and SGLang do).
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with self._on_device():
-                for size in reversed(self.sizes):
-                    self.graphs[size] = self._capture(size, pool)
-                    graph = self.graphs[size].graph
-                    pool = graph.pool() if graph is not None else None
-        finally:
-            if collecting:
-                gc.enable()
-            if stream is not None:
-                torch.cuda.set_stream(stream)
-        if cuda:
-            torch.cuda.synchronize(self.input_ids.device)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs decodes (None: too many, run eager)."""
@@ -176,39 +228,6 @@ class DecodeGraphs:
         )
         meta.restrict_outputs([0] * size)  # every row is read
         return meta
-
-    def _forward(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The forward a graph records: `meta`'s bucket of the static buffers, through the compiled forward
-        when the model has one and records_compiled, else the eager one. Both write every row's keys through
-        the attention backend (meta keeps every row), whose Triton write skips the padding slot -1."""
-        size = meta.num_seqs
-        ids, pos = self.input_ids[:size], self.positions[:size]
-        if getattr(self.model, "compiled", False) and not self.records_compiled:
-            return self.model._forward(ids, pos, self.kv_caches, meta)
-        return self.model(ids, pos, self.kv_caches, meta)
-
-    @torch.inference_mode()
-    def _capture(self, size: int, pool) -> _Graph:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels and workspace), then
-        record the forward of `size` decodes into a CUDA graph."""
-        meta = self._meta(size)
-        device = self.input_ids.device
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(meta)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self._forward(meta)
-        return _Graph(graph.replay, meta, hidden, graph)
-
-    def _on_device(self):
-        """Make the buffers' GPU the current device (model.device=cuda:N): captures, copies and replays
-        run on its current stream, and the staging's event is recorded there."""
-        device = self._tokens.device
-        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()  # the static buffers are inference tensors
     def stage(self, input_ids: list[int], positions: list[int], table_rows: list[int],

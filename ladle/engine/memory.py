@@ -84,6 +84,12 @@ def prompt_logprob_bytes(vocab_size: int) -> int:
     return rows * vocab_size * 12
 
 
+def graph_pool_bytes(step_peak_bytes: int, step_tokens: int, graph_tokens: int) -> int:
+    """The CUDA graphs' shared pool, kept beside the eager steps' memory: the activations of a forward of
+    the largest graph's tokens, scaled from the profile run's peak at the step budget's width."""
+    return math.ceil(step_peak_bytes * min(1.0, graph_tokens / max(1, step_tokens)))
+
+
 def activation_bytes(shape: ModelShape, step_tokens: int, max_num_seqs: int, max_model_len: int,
                      elem: int) -> int:
     """Peak transient memory of one forward of `step_tokens` tokens, with a safety factor of 2.

@@ -10,12 +10,15 @@ A step's host work is O(batch) plus O(new tokens): input ids are slices of each 
 output (never prompt + output rebuilt), positions and slots are computed by torch from the lengths,
 and block tables come from the persistent table (engine/block_table.py), which copies only new ids.
 On CUDA a forward of one-token sequences (decodes) that fits a captured graph skips the metadata: its
-inputs are staged from the host plan and the graph replayed (engine/cuda_graphs.py).
+inputs are staged from the host plan and the graph replayed (engine/cuda_graphs.py); any other forward
+within the largest mixed-step graph replays one of those (engine/mixed_graphs.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,8 @@ from ladle.engine.logprobs import TopK, token_logprobs
 from ladle.engine.request import Request
 from ladle.engine.scheduler import ScheduledRequest
 from ladle.kernels import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -109,7 +114,10 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(kv.spec.blocks_for(kv.spec.max_model_len))
         self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
         self.graphs = None  # engine/cuda_graphs.DecodeGraphs once captured (CUDA, model.cuda_graphs)
+        self.mixed_graphs = None  # engine/mixed_graphs.MixedGraphs once captured (model.mixed_graph_tokens)
         self.graph_steps = 0  # forwards replayed from a CUDA graph (tests and benchmarks read it)
+        self.mixed_graph_steps = 0  # of those, forwards replayed from a mixed-step graph
+        self.eager_fallbacks: dict[str, int] = {}  # forwards run eager while graphs exist, per reason
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
@@ -138,15 +146,9 @@ class ModelRunner:
         """One forward; its sampling rows' logits (None if none) and the seconds spent preparing it."""
         t0 = time.perf_counter()
         rows = self._plan_rows(pieces)
-        if self._graph_fits(rows):
-            size = self._stage(rows)
-            prepare_time = time.perf_counter() - t0
-            hidden = self._replay(rows, size)
-            self.graph_steps += 1
-        else:
-            batch = self._batch(rows)
-            prepare_time = time.perf_counter() - t0
-            hidden = self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
+        run = self._prepare(rows)
+        prepare_time = time.perf_counter() - t0
+        hidden = run()
         vocab = self.model.arch.vocab_size
         for req, row, lo, hi in rows.prompt_rows:
             targets = req.prompt_token_ids[lo + 1 : hi + 1]
@@ -160,10 +162,44 @@ class ModelRunner:
         index = torch.tensor(rows.logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index)), prepare_time
 
+    def _prepare(self, rows: _Rows) -> Callable[[], torch.Tensor]:
+        """Stage the forward's inputs for a CUDA graph, or build its eager batch; returns what runs it (the
+        hidden states of the rows the forward returns, meta.outputs)."""
+        if self._graph_fits(rows):
+            size = self._stage(rows)
+            self.graph_steps += 1
+            return lambda: self._replay(rows, size)
+        if self._mixed_fits(rows):
+            table_rows = self._table_rows(rows)
+            size = self.mixed_graphs.stage(rows.input_ids, rows.query_lens, rows.seq_lens, table_rows,
+                                           self.block_table.table)
+            self.graph_steps += 1
+            self.mixed_graph_steps += 1
+            return lambda: self._replay_mixed(rows, size)
+        batch = self._batch(rows)
+        return lambda: self.model(batch.input_ids, batch.meta.positions, self.kv.kv_caches, batch.meta)
+
     def _graph_fits(self, rows: _Rows) -> bool:
         """A captured graph can run this forward: one query row per sequence, and a bucket large enough."""
         return (self.graphs is not None and all(q == 1 for q in rows.query_lens)
                 and self.graphs.bucket(len(rows.query_lens)) is not None)
+
+    def _mixed_fits(self, rows: _Rows) -> bool:
+        """A mixed-step graph can run this forward; when graphs are in use and none can, say why (once per
+        reason at info level, later ones at debug)."""
+        if self.graphs is None and self.mixed_graphs is None:
+            return False  # an eager engine: nothing falls back
+        if self.mixed_graphs is None:
+            why = ("off", "mixed-step graphs are off (model.mixed_graph_tokens=0)")
+        else:
+            why = self.mixed_graphs.why_eager(len(rows.input_ids), len(rows.query_lens))
+        if why is None:
+            return True
+        kind, text = why
+        self.eager_fallbacks[kind] = self.eager_fallbacks.get(kind, 0) + 1
+        level = logging.INFO if self.eager_fallbacks[kind] == 1 else logging.DEBUG
+        log.log(level, "a forward runs eager instead of from a CUDA graph: %s", text)
+        return False
 
     def _stage(self, rows: _Rows) -> int:
         """A graph's inputs staged from the host plan, without building metadata; the bucket size."""
@@ -178,6 +214,19 @@ class ModelRunner:
         if all(k == 0 for k in rows.keep_from):
             return hidden
         kept = [b for b, k in enumerate(rows.keep_from) if k == 0]  # a 1-token prefill chunk nobody reads
+        return hidden.index_select(0, torch.tensor(kept, dtype=torch.int64, device=self.device))
+
+    def _replay_mixed(self, rows: _Rows, size: int) -> torch.Tensor:
+        """The staged forward from its mixed-step graph, which returns every row: the rows eager would
+        return (each sequence's rows from keep_from on), picked after the replay."""
+        hidden = self.mixed_graphs.replay(size, len(rows.input_ids))
+        if all(k == 0 for k in rows.keep_from):
+            return hidden
+        kept: list[int] = []
+        start = 0
+        for q, first in zip(rows.query_lens, rows.keep_from):
+            kept.extend(range(start + first, start + q))
+            start += q
         return hidden.index_select(0, torch.tensor(kept, dtype=torch.int64, device=self.device))
 
     def _plan_rows(self, pieces: list[_Piece]) -> _Rows:
