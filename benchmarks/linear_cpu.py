@@ -1,6 +1,6 @@
 """CPU linear layers: which GEMM, how fast, and does a row's result depend on the batch?
 
-Three parts (issue 21: speed; issue 22: batch invariance), fp32, torch threads fixed per measurement:
+Three parts (speed, and batch invariance), fp32, torch threads fixed per measurement:
 
 - peak: a 4096^3 matmul through MKL (torch.mm) and through oneDNN on a packed weight, the practical
   peak every GFLOP/s below is read against.

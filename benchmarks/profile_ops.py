@@ -13,7 +13,7 @@ gated form (kernels/cpu_gemm), a gated MLP's activation runs inside its down pro
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
 
 `--source DIR` (repeatable, `label=DIR`) profiles the engine code of another checkout, e.g. the
-commit before a change (`git worktree add /tmp/before <commit>`); sources alternate within a thread
+revision before a change (`git worktree add /tmp/before <commit>`); sources alternate within a thread
 count so the machine's drift hits them alike.
 
     .venv/bin/python benchmarks/profile_ops.py --threads 1,2 --source before=/tmp/before --source after=.

@@ -102,7 +102,7 @@ extern "C" float ladle_fma_loop(int64_t iters) {
 def fma_peak_gflops(threads: int = 1, repeats: int = 5, cpus: set[int] | None = None) -> float:
     """The fp32 FMA peak of `threads` cores together (GFLOP/s: at 1 the thread's CPU clock, else wall time, the
     loop run by that many threads at once: ctypes releases the GIL), or 0.0 where there is no FMA unit to use
-    or the loop does not build. cpus: the CPUs each helper thread may run on (default: the caller's; a thread
+    or the loop does not build. cpus: the CPUs each extra thread may run on (default: the caller's; a thread
     inherits its creator's mask, which an OpenMP runtime told to bind has narrowed to one CPU)."""
     from ladle.kernels.cpu_build import ARCH_FLAGS, compile_cached
 
@@ -121,13 +121,13 @@ def fma_peak_gflops(threads: int = 1, repeats: int = 5, cpus: set[int] | None = 
     clock = time.thread_time if threads == 1 else time.perf_counter
     best = float("inf")
 
-    def helper() -> None:
+    def worker() -> None:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)
         lib.ladle_fma_loop(iters)
 
     for _ in range(repeats):
-        workers = [threading.Thread(target=helper) for _ in range(threads - 1)]
+        workers = [threading.Thread(target=worker) for _ in range(threads - 1)]
         t = clock()
         for w in workers:
             w.start()

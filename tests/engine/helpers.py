@@ -1,4 +1,4 @@
-"""Engine test helpers: build an engine over a tiny HF model directory; transformers' greedy oracle."""
+"""What the engine tests share: build an engine over a tiny HF model directory; transformers' greedy oracle."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 22): every request's tokens and logprobs are bitwise those of a reference run
+"""Deterministic mode (batch invariance): every request's tokens and logprobs are bitwise those of a reference run
 (the request alone, whole prompt, batch of one), whatever the engine configuration and the other requests;
 and the combinations that cannot hold it are refused before a model loads."""
 

@@ -1,4 +1,4 @@
-"""The OpenAI batch format as vLLM and OpenAI run it (issue 20, points 7, 8 and 9)."""
+"""The OpenAI batch format as vLLM and OpenAI run it."""
 
 from __future__ import annotations
 

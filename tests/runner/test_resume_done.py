@@ -1,4 +1,4 @@
-"""Resume's notion of "done" is one function, `ResumeState.progress` (issue 20, point 11): a test per case.
+"""Resume's notion of "done" is one function, `ResumeState.progress`: a test per case.
 
 A row is done when all n of its samples were written (a sample's error row counts as written), or when
 its one row is the error of the whole request (sample 0, no token: it failed before its prompt forked

@@ -1,4 +1,4 @@
-"""Strings that UTF-8 cannot encode never kill a job (issue 20, point 1).
+"""Strings that UTF-8 cannot encode never kill a job.
 
 The rule (runner/text.py): every string a source yields has each code point UTF-8 cannot encode (a lone
 surrogate) replaced by U+FFFD where it enters; bytes that are not UTF-8 are decoded the same way; the

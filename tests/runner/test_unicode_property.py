@@ -1,5 +1,5 @@
 """Property: arbitrary Unicode (lone surrogates, NULs, non-characters, astral characters) in every string
-of every source kind reaches every sink as valid UTF-8, one row per input row (issue 20, point 1).
+of every source kind reaches every sink as valid UTF-8, one row per input row.
 
 JSON sources carry surrogates as `\\ud800` escapes; Arrow and Parquet strings cannot hold them, so those
 files carry the surrogates' bytes (invalid UTF-8, as a writer that does not validate leaves them).
