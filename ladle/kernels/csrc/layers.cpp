@@ -1,11 +1,6 @@
-"""C++ source of the CPU decoder-layer stack (built at first use by kernels/cpu_layers.py).
-
-Kept as a Python string so an installed package always carries it. It computes nothing itself: it calls
-the kernels of kernels/cpu_fused, kernels/cpu_gemm and kernels/cpu_paged, through function pointers
-handed over from their loaded libraries, with the very arguments their Python wrappers pass.
-"""
-
-SOURCE = r"""
+// The CPU decoder-layer stack, built at first use by kernels/cpu_layers.py. It computes nothing itself:
+// it calls the kernels of fused.cpp, gemm.cpp and paged_attention.cpp through function pointers handed
+// over from their loaded libraries, with the very arguments their Python wrappers pass.
 // ladle CPU decoder-layer stack: the layers of a Llama / Qwen3 forward (all but the last) as one call.
 // Per layer, in the order models/llama.LlamaDecoderLayer runs them:
 //   h, res = add_rms_norm(x, res)       (layer 0 with no residual: h = rms_norm(x), res = x)
@@ -16,6 +11,9 @@ SOURCE = r"""
 // Between two kernels there is no Python and no torch op: on a shared vCPU the first torch op after a
 // long kernel cost ~70 us (its code and data gone cold), ~1 ms per layer of a 512-token step here.
 #include <cstdint>
+#include <string>
+
+#include "layout.h"
 
 extern "C" {
 typedef int (*AddRmsNormFn)(const float*, int64_t, const float*, int64_t, float*, int64_t, float*, int64_t,
@@ -26,7 +24,7 @@ typedef int (*QkNormRopeFn)(const float*, int64_t, int64_t, float*, const float*
                             const float*, int64_t, int64_t, int64_t, int64_t, float, int, int);
 typedef int (*AttentionFn)(const void*);
 
-// Mirrors `struct StackOps` in kernels/cpu_layers.py.
+// Mirrored by kernels/cpu_structs.StackOps (as are the structs below).
 struct StackOps {
   AddRmsNormFn add_rmsnorm;
   GemmFn gemm;
@@ -41,7 +39,7 @@ struct StackLinear {
   int32_t n, k, kb;
 };
 
-// Mirrors `struct StackLayer`: one layer's weights and KV cache planes.
+// One layer's weights and KV cache planes.
 struct StackLayer {
   const float* input_norm;
   const float* post_norm;
@@ -51,7 +49,7 @@ struct StackLayer {
   void* v_cache;
 };
 
-// Mirrors `struct StackStep`: the forward's rows, sizes and buffers (shared by every layer).
+// The forward's rows, sizes and buffers (shared by every layer).
 struct StackStep {
   int64_t rows;
   int32_t hidden, q_heads, kv_heads, head_dim, act, lanes, threads;
@@ -113,5 +111,61 @@ int ladle_stack_run(const StackOps* ops, const StackStep* s, const StackLayer* l
   }
   return 0;
 }
+
+// The stack structs's layout, checked against its ctypes mirror (kernels/cpu_structs.py) at load.
+const char* ladle_stack_layout() {
+  static const std::string text = [] {
+    std::string out;
+    LADLE_SIZE(StackOps);
+    LADLE_FIELD(StackOps, add_rmsnorm);
+    LADLE_FIELD(StackOps, gemm);
+    LADLE_FIELD(StackOps, gemm_gated);
+    LADLE_FIELD(StackOps, qk_norm_rope);
+    LADLE_FIELD(StackOps, attention);
+    LADLE_SIZE(StackLinear);
+    LADLE_FIELD(StackLinear, packed);
+    LADLE_FIELD(StackLinear, n);
+    LADLE_FIELD(StackLinear, k);
+    LADLE_FIELD(StackLinear, kb);
+    LADLE_SIZE(StackLayer);
+    LADLE_FIELD(StackLayer, input_norm);
+    LADLE_FIELD(StackLayer, post_norm);
+    LADLE_FIELD(StackLayer, qk_norm);
+    LADLE_FIELD(StackLayer, qkv);
+    LADLE_FIELD(StackLayer, o);
+    LADLE_FIELD(StackLayer, gate_up);
+    LADLE_FIELD(StackLayer, down);
+    LADLE_FIELD(StackLayer, k_cache);
+    LADLE_FIELD(StackLayer, v_cache);
+    LADLE_SIZE(StackStep);
+    LADLE_FIELD(StackStep, rows);
+    LADLE_FIELD(StackStep, hidden);
+    LADLE_FIELD(StackStep, q_heads);
+    LADLE_FIELD(StackStep, kv_heads);
+    LADLE_FIELD(StackStep, head_dim);
+    LADLE_FIELD(StackStep, act);
+    LADLE_FIELD(StackStep, lanes);
+    LADLE_FIELD(StackStep, threads);
+    LADLE_FIELD(StackStep, eps);
+    LADLE_FIELD(StackStep, qk_eps);
+    LADLE_FIELD(StackStep, cos);
+    LADLE_FIELD(StackStep, sin);
+    LADLE_FIELD(StackStep, cos_row);
+    LADLE_FIELD(StackStep, sin_row);
+    LADLE_FIELD(StackStep, input);
+    LADLE_FIELD(StackStep, x);
+    LADLE_FIELD(StackStep, residual);
+    LADLE_FIELD(StackStep, h);
+    LADLE_FIELD(StackStep, qkv);
+    LADLE_FIELD(StackStep, qk);
+    LADLE_FIELD(StackStep, attn);
+    LADLE_FIELD(StackStep, o);
+    LADLE_FIELD(StackStep, gate_up);
+    LADLE_FIELD(StackStep, attention_args);
+    LADLE_FIELD(StackStep, args_k_cache);
+    LADLE_FIELD(StackStep, args_v_cache);
+    return out;
+  }();
+  return text.c_str();
+}
 }  // extern "C"
-"""

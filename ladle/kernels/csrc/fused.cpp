@@ -1,12 +1,5 @@
-"""C++ source of the fused CPU elementwise kernels (built at first use by kernels/cpu_fused.py).
-
-Kept as a Python string so an installed package always carries it. The numerical contract (each
-output rounds as the torch ops it replaces, in the same order) is described in kernels/cpu_fused.py.
-"""
-
-from ladle.kernels.cpu_gated_source import GATED_AVX512
-
-SOURCE = r"""
+// The fused CPU elementwise kernels, built at first use by kernels/cpu_fused.py. Their numerical
+// contract (each output rounds as the torch ops it replaces, in the same order) is described there.
 // ladle fused CPU kernels, float32: residual add + RMSNorm, gated activation (SiLU / GELU-tanh times
 // up), per-head RMSNorm + RoPE. Each output element is the same sequence of IEEE operations as the
 // torch ops models/layers.py would run (built with -ffp-contract=off: a fused multiply-add only where
@@ -154,7 +147,8 @@ inline float inv_rms(const float* x, int64_t n, float eps, int lanes) {
   return 1.0f / std::sqrt(mean + eps);
 }
 
-""" + GATED_AVX512 + r"""
+#include "gated_avx512.h"
+
 
 // One row of act(g) * u, n elements. With SLEEF installed: one pass in vectors (a masked or padded
 // tail: every lane the same operations); otherwise chunks through libm.
@@ -344,4 +338,3 @@ int ladle_qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, float* out
 }
 
 }  // extern "C"
-"""

@@ -1,11 +1,7 @@
-"""C++ source of the CPU paged attention kernel (built at first use by kernels/cpu_build.py).
+// The CPU paged attention kernel, built at first use by kernels/cpu_build.py. Its contract (argument
+// struct, tile rule, determinism) is described in kernels/cpu_paged.py; `Args` is mirrored by
+// kernels/cpu_structs.Args (checked at load against ladle_paged_layout()).
 
-Kept as a Python string so an installed package always carries it (no package-data to declare).
-The contract (argument struct, tile rule, determinism) is described in kernels/cpu_paged.py; the
-`Args` struct here and `_Args` there must list the same fields in the same order.
-"""
-
-SOURCE = r"""
 // ladle CPU paged attention: reads the paged KV cache in place, tiles of TILE keys at fixed absolute
 // positions, online softmax in fp32 over the tiles in position order. One work item (sequence, KV
 // head, block of query positions) is computed by one thread, and every query row's arithmetic is a
@@ -22,6 +18,8 @@ SOURCE = r"""
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "layout.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -1292,5 +1290,47 @@ int ladle_paged_attention(const Args* args) {
   return 0;
 }
 
+// Args's layout, checked against its ctypes mirror (kernels/cpu_structs.py) at load.
+const char* ladle_paged_layout() {
+  static const std::string text = [] {
+    std::string out;
+    LADLE_SIZE(Args);
+    LADLE_FIELD(Args, q);
+    LADLE_FIELD(Args, q_stride_t);
+    LADLE_FIELD(Args, q_stride_h);
+    LADLE_FIELD(Args, out);
+    LADLE_FIELD(Args, k_cache);
+    LADLE_FIELD(Args, v_cache);
+    LADLE_FIELD(Args, k_new);
+    LADLE_FIELD(Args, v_new);
+    LADLE_FIELD(Args, k_stride_t);
+    LADLE_FIELD(Args, k_stride_h);
+    LADLE_FIELD(Args, v_stride_t);
+    LADLE_FIELD(Args, v_stride_h);
+    LADLE_FIELD(Args, slot_mapping);
+    LADLE_FIELD(Args, query_start_loc);
+    LADLE_FIELD(Args, seq_lens);
+    LADLE_FIELD(Args, block_tables);
+    LADLE_FIELD(Args, bt_stride);
+    LADLE_FIELD(Args, num_seqs);
+    LADLE_FIELD(Args, num_tokens);
+    LADLE_FIELD(Args, num_heads);
+    LADLE_FIELD(Args, num_kv_heads);
+    LADLE_FIELD(Args, head_dim);
+    LADLE_FIELD(Args, block_size);
+    LADLE_FIELD(Args, q_dtype);
+    LADLE_FIELD(Args, kv_dtype);
+    LADLE_FIELD(Args, window);
+    LADLE_FIELD(Args, scale);
+    LADLE_FIELD(Args, softcap);
+    LADLE_FIELD(Args, num_threads);
+    LADLE_FIELD(Args, positions_per_item);
+    LADLE_FIELD(Args, kv_stride_block);
+    LADLE_FIELD(Args, kv_stride_token);
+    LADLE_FIELD(Args, kv_stride_head);
+    return out;
+  }();
+  return text.c_str();
+}
+
 }  // extern "C"
-"""

@@ -1,12 +1,5 @@
-"""C++ source of the CPU float32 GEMM (built at first use by kernels/cpu_gemm.py).
-
-Kept as a Python string so an installed package always carries it. The numerical contract (the same
-K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
-"""
-
-from ladle.kernels.cpu_gated_source import GATED_AVX512
-
-SOURCE = r"""
+// The CPU float32 GEMM, built at first use by kernels/cpu_gemm.py. Its numerical contract (the same
+// K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
 // ladle CPU GEMM, float32, AVX-512: out[M][N] = x[M][K] @ W[N][K]^T, W packed once into column
 // groups of 32 ([group][k][32]: one k step of a group is two consecutive cache lines). Every output is
 // one fused multiply-add chain per K block of KB, in increasing k from +0, the blocks' partial sums
@@ -44,7 +37,7 @@ constexpr int GW = 32;  // columns per group: two 16-lane vectors
 constexpr int MR = 12;  // rows per micro-kernel: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
 // Rows packed at a time, at most: a 512-row chunk is one slab, one pass over the weight (at 240 rows
 // it was 240 + 240 + 32, three passes, the last for 32 rows; one pass: the 166M model's run 1-2%
-// faster end to end, docs/benchmarks.md 5c). Larger M is split into equal slabs.
+// faster end to end, docs/design-notes.md). Larger M is split into equal slabs.
 constexpr int SLAB = 43 * MR;
 
 int64_t groups_of(int n) { return (int64_t(n) + GW - 1) / GW; }
@@ -145,7 +138,8 @@ void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
 using Fn16 = __m512 (*)(__m512);
 Fn16 g_exp16 = nullptr, g_tanh16 = nullptr;
 constexpr int KP = 256;
-""" + GATED_AVX512 + r"""
+#include "gated_avx512.h"
+
 void gated_piece(const float* g, const float* u, float* o, int n, int act) {
   gated_avx512(g, u, o, n, act, act == 0 ? g_exp16 : g_tanh16);
 }
@@ -319,4 +313,3 @@ int ladle_gemm_set_math(void* exp16, void* tanh16) {
 }
 
 }  // extern "C"
-"""
