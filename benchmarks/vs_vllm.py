@@ -251,7 +251,7 @@ def _worker_command(python: Path, system: str, args: argparse.Namespace, threads
 def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
                model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
                cwd: Path | None = None) -> dict:
-    """One measurement in a process of its own; extra_env last (benchmarks/ladle_ab.py's variants: another
+    """One measurement in a process of its own; extra_env last (benchmarks/experiments/ladle_ab.py's variants: another
     checkout on PYTHONPATH, switches), run from cwd (default: this repository)."""
     out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
     cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, extra_env)

@@ -78,7 +78,7 @@ class DecodeGraphs:
         self.backend = backend
         self.sizes = bucket_sizes(max_num_seqs)
         # model.compile: record the compiled forward (inductor's fused kernels: on a 0.6B model at batch 1,
-        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md "GPU"); the eager
+        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md section 4); the eager
         # one if that capture fails.
         self.records_compiled = bool(getattr(model, "compiled", False))
         device = kv_caches[0].device
