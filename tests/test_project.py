@@ -133,7 +133,7 @@ def test_no_import_circles():
 # Words that tell how the project was made rather than what it does. Its history lives in git; a name or
 # comment says the property instead ("batch invariance", not the number of the ticket that asked for it).
 HISTORY_WORDS = re.compile(
-    r"\bsessions?\b|\bleases?\b|\bissues? ?#?\d|\breview(?:er|ers|ed|s|ing)?\b|\bhelpers?\b|\bround \d"
+    r"\bsessions?\b|\bleases?\b|\bissues?[ -]?#?\d|\breview(?:er|ers|ed|s|ing)?\b|\bhelpers?\b|\bround \d"
     r"|\bturn \d|\b(?:commit|revision) [0-9a-f]{7,40}\b"
     r"|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\w+teenth|\d+(?:st|nd|rd|th))"
     r"[- ](?:session|lease|round|turn)s?\b",
@@ -157,7 +157,7 @@ def history_hits(text: str) -> list[str]:
 def test_history_words_are_found_and_api_words_are_not():
     assert history_hits("# Batch invariance (issue 22): bitwise the same") == ["# Batch invariance (issue 22): bitwise the same"]
     assert history_hits("measured in the thirteenth session") and history_hits("the second lease")
-    assert history_hits("a test helper") and history_hits("see commit 1a2b3c4d")
+    assert history_hits("a test helper") and history_hits("see commit 1a2b3c4d") and history_hits("the issue-21 model")
     assert history_hits('"""Adversarial review of the runner."""')
     assert not history_hits('@pytest.fixture(scope="session")\nPopen(cmd, start_new_session=True)')
     assert not history_hits("each in turn; released rows; round(x, 2); from tests.engine.helpers import GREEDY")

@@ -1,6 +1,6 @@
 """Linear layers for CPU inference: a weight packed once, one path that is batch-invariant.
 
-On this CPU (AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12; benchmarks/linear_cpu.py)
+On this CPU (AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12; benchmarks/experiments/linear_cpu.py)
 `F.linear` in fp32 is MKL's sgemm, which packs the weight on every call and runs at 40-50% of oneDNN's
 speed. oneDNN's inner product (`mkldnn::_linear_pointwise`) on a weight reordered once into its blocked
 layout (`mkldnn::_reorder_linear_weight`, what inductor's CPU freezing does for a dynamic batch) is

@@ -16,8 +16,8 @@ of vs_vllm.py's model (16 heads / 8 KV heads x 64) with its prefill chunks (512 
 512, 1536) and a 32-sequence decode. --clock cpu times the calling thread's CPU time (1 thread only:
 less sensitive to other jobs on a shared machine than wall time).
 
-    .venv/bin/python benchmarks/attention_cpu.py [--quick] [--threads-list 1,2] [--heads 8 --kv-heads 2 --head-dim 64]
-    .venv/bin/python benchmarks/attention_cpu.py --workload --baseline HEAD~3 --threads-list 1 --clock cpu
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/attention_cpu.py [--quick] [--threads-list 1,2] [--heads 8 --kv-heads 2 --head-dim 64]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/attention_cpu.py --workload --baseline HEAD~3 --threads-list 1 --clock cpu
 """
 
 from __future__ import annotations

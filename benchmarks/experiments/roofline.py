@@ -30,7 +30,7 @@ target: attention's softmax and the gated activation's exp are work the FLOP cou
 CPU kernels: where kernels/cpu_gemm or kernels/cpu_paged is not available (no AVX-512, or switched off) it
 says so and stops.
 
-    .venv/bin/python benchmarks/roofline.py [--threads 1] [--peer-seconds 28.6]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/roofline.py [--threads 1] [--peer-seconds 28.6]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import vs_vllm

@@ -1,5 +1,5 @@
 // Independent FMA chains in registers: enough to cover the FMA latency on every x86 core with two
-// pipes (benchmarks/roofline.py's FMA peak).
+// pipes (benchmarks/experiments/roofline.py's FMA peak).
 #include <cstdint>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>

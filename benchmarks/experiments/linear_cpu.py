@@ -17,7 +17,7 @@ Three parts (speed, and batch invariance), fp32, torch threads fixed per measure
   random rows for every M in a range; each M's output for that row is compared bitwise with the others.
   Results that are bitwise equal share a class letter (across thread counts too).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/linear_cpu.py [--quick] [--parts peak,speed,forward,invariance]
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/linear_cpu.py [--quick] [--parts peak,speed,forward,invariance]
         [--out FILE]
 """
 

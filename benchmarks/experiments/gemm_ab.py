@@ -9,7 +9,7 @@ the same calls, alternated within every repeat; 1 thread on the thread's CPU clo
 Reports GFLOP/s, the median of the per-repeat speed ratios (this tree / the other) and whether the outputs
 are bitwise equal.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gemm_ab.py --before /tmp/before --threads 1,2 --rows 32,516
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/gemm_ab.py --before /tmp/before --threads 1,2 --rows 32,516
 """
 
 from __future__ import annotations
