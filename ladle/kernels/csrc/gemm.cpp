@@ -85,6 +85,7 @@ __attribute__((always_inline)) inline void micro(const float* xp, const float* p
 __attribute__((always_inline)) inline void micro_rows(int r, const float* xp, const float* p, int k0, int k1,
                                                       float* out, int64_t ldo, bool first, int cols, bool pf) {
   switch (r) {
+    // clang-format off: one case per row count, as a table
 #define LADLE_ROWS(R)                                                        \
   case R:                                                                    \
     return pf ? micro<R, true>(xp, p, k0, k1, out, ldo, first, cols)        \
@@ -92,6 +93,7 @@ __attribute__((always_inline)) inline void micro_rows(int r, const float* xp, co
     LADLE_ROWS(1) LADLE_ROWS(2) LADLE_ROWS(3) LADLE_ROWS(4) LADLE_ROWS(5) LADLE_ROWS(6)
     LADLE_ROWS(7) LADLE_ROWS(8) LADLE_ROWS(9) LADLE_ROWS(10) LADLE_ROWS(11) default: LADLE_ROWS(12)
 #undef LADLE_ROWS
+    // clang-format on
   }
 }
 
@@ -166,8 +168,8 @@ void group(const float* xb, const float* p, float* out, int64_t ldo, int M, int 
   for (int k0 = 0; k0 < K; k0 += kb) {
     const int k1 = std::min(K, k0 + kb);
     for (int m0 = 0; m0 < M; m0 += MR)
-      micro_rows(std::min(MR, M - m0), xb + int64_t(m0) * K, pg, k0, k1, out + m0 * ldo + g * GW, ldo, k0 == 0,
-                 cols, m0 == 0);
+      micro_rows(std::min(MR, M - m0), xb + int64_t(m0) * K, pg, k0, k1, out + m0 * ldo + g * GW, ldo, k0 == 0, cols,
+                 m0 == 0);
   }
 }
 #endif
@@ -197,8 +199,8 @@ struct alignas(64) Share {
 
 #if defined(__AVX512F__)
 // Thread t of nt: its own share of the groups first, then the back groups of the others'.
-void groups_shared(Share* shares, int t, int nt, const float* xb, const float* p, float* out, int64_t ldo, int M,
-                   int N, int K, int kb) {
+void groups_shared(Share* shares, int t, int nt, const float* xb, const float* p, float* out, int64_t ldo, int M, int N,
+                   int K, int kb) {
   for (int64_t g = shares[t].take(true); g >= 0; g = shares[t].take(true)) group(xb, p, out, ldo, M, N, K, kb, g);
   for (;;) {
     int victim = -1;
@@ -281,7 +283,16 @@ static int run(const float* x, int64_t ldx, const float* p, float* out, int64_t 
   }
   return 0;
 #else
-  (void)x; (void)ldx; (void)p; (void)out; (void)ldo; (void)m; (void)n; (void)k; (void)kb; (void)threads;
+  (void)x;
+  (void)ldx;
+  (void)p;
+  (void)out;
+  (void)ldo;
+  (void)m;
+  (void)n;
+  (void)k;
+  (void)kb;
+  (void)threads;
   (void)act;
   return 2;  // no AVX-512: the caller keeps oneDNN
 #endif
@@ -294,8 +305,8 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
 
 // out [M][N] = (act(x[:, :K]) * x[:, K:2K]) @ W^T for x [M][2K] (gate | up, rows ldx apart); act 0 SiLU,
 // 1 GELU-tanh, computed as kernels/cpu_fused's gated activation computes them (needs ladle_gemm_set_math).
-int ladle_gemm_gated(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k,
-                     int kb, int threads, int act) {
+int ladle_gemm_gated(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
+                     int threads, int act) {
   if (act < 0) return 1;
   return run(x, ldx, p, out, ldo, m, n, k, kb, threads, act);
 }
@@ -307,7 +318,8 @@ int ladle_gemm_set_math(void* exp16, void* tanh16) {
   g_tanh16 = reinterpret_cast<Fn16>(tanh16);
   return g_exp16 != nullptr && g_tanh16 != nullptr;
 #else
-  (void)exp16; (void)tanh16;
+  (void)exp16;
+  (void)tanh16;
   return 0;
 #endif
 }

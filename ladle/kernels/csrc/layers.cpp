@@ -20,8 +20,8 @@ typedef int (*AddRmsNormFn)(const float*, int64_t, const float*, int64_t, float*
                             const float*, int64_t, int64_t, float, int, int);
 typedef int (*GemmFn)(const float*, int64_t, const float*, float*, int64_t, int, int, int, int, int);
 typedef int (*GemmGatedFn)(const float*, int64_t, const float*, float*, int64_t, int, int, int, int, int, int);
-typedef int (*QkNormRopeFn)(const float*, int64_t, int64_t, float*, const float*, const float*, int64_t,
-                            const float*, int64_t, int64_t, int64_t, int64_t, float, int, int);
+typedef int (*QkNormRopeFn)(const float*, int64_t, int64_t, float*, const float*, const float*, int64_t, const float*,
+                            int64_t, int64_t, int64_t, int64_t, float, int, int);
 typedef int (*AttentionFn)(const void*);
 
 // Mirrored by kernels/cpu_structs.StackOps (as are the structs below).
@@ -57,15 +57,15 @@ struct StackStep {
   const float* cos;  // [rows, head_dim] rows cos_row apart (signed sin likewise)
   const float* sin;
   int64_t cos_row, sin_row;
-  const float* input;  // [rows, hidden]: the first layer's input (the embedding), only read
-  float* x;         // [rows, hidden]: each layer's MLP output, the next one's input
-  float* residual;  // [rows, hidden]: the residual stream on return
-  float* h;         // [rows, hidden]: normed rows
-  float* qkv;       // [rows, (q + 2 kv) head_dim]
-  float* qk;        // [rows, q + kv heads, head_dim]: normed, rotated
-  float* attn;      // [rows, q heads, head_dim]
-  float* o;         // [rows, hidden]
-  float* gate_up;   // [rows, 2 intermediate]
+  const float* input;    // [rows, hidden]: the first layer's input (the embedding), only read
+  float* x;              // [rows, hidden]: each layer's MLP output, the next one's input
+  float* residual;       // [rows, hidden]: the residual stream on return
+  float* h;              // [rows, hidden]: normed rows
+  float* qkv;            // [rows, (q + 2 kv) head_dim]
+  float* qk;             // [rows, q + kv heads, head_dim]: normed, rotated
+  float* attn;           // [rows, q heads, head_dim]
+  float* o;              // [rows, hidden]
+  float* gate_up;        // [rows, 2 intermediate]
   void* attention_args;  // the attention kernel's Args, every field but the cache planes filled
   void** args_k_cache;   // that struct's k_cache and v_cache fields
   void** args_v_cache;
@@ -85,12 +85,13 @@ int ladle_stack_run(const StackOps* ops, const StackStep* s, const StackLayer* l
     const int fail = 1000 * (i + 1);
     // Layer 0: no residual yet, so no sum is written (the kernel ignores `sum` then) and the input is the stream.
     if (ops->add_rmsnorm(in, hidden, res, hidden, s->residual, hidden, s->h, hidden, L.input_norm, t, hidden, s->eps,
-                         s->lanes, s->threads) != 0) return fail + 1;
+                         s->lanes, s->threads) != 0)
+      return fail + 1;
     const float* stream = res != nullptr ? s->residual : in;
     if (ops->gemm(s->h, hidden, L.qkv.packed, s->qkv, L.qkv.n, m, L.qkv.n, L.qkv.k, L.qkv.kb, s->threads) != 0)
       return fail + 2;
-    if (ops->qk_norm_rope(s->qkv, qkv_width, d, s->qk, L.qk_norm, s->cos, s->cos_row, s->sin, s->sin_row, t,
-                          qk_heads, d, L.qk_norm != nullptr ? s->qk_eps : 0.0f, s->lanes, s->threads) != 0)
+    if (ops->qk_norm_rope(s->qkv, qkv_width, d, s->qk, L.qk_norm, s->cos, s->cos_row, s->sin, s->sin_row, t, qk_heads,
+                          d, L.qk_norm != nullptr ? s->qk_eps : 0.0f, s->lanes, s->threads) != 0)
       return fail + 3;
     *s->args_k_cache = L.k_cache;
     *s->args_v_cache = L.v_cache;
@@ -101,12 +102,15 @@ int ladle_stack_run(const StackOps* ops, const StackStep* s, const StackLayer* l
     // The residual stream lives in s->residual from here on (in place: each element is read, then
     // written, by the same lane).
     if (ops->add_rmsnorm(s->o, hidden, stream, hidden, s->residual, hidden, s->h, hidden, L.post_norm, t, hidden,
-                         s->eps, s->lanes, s->threads) != 0) return fail + 6;
+                         s->eps, s->lanes, s->threads) != 0)
+      return fail + 6;
     res = s->residual;
-    if (ops->gemm(s->h, hidden, L.gate_up.packed, s->gate_up, L.gate_up.n, m, L.gate_up.n, L.gate_up.k,
-                  L.gate_up.kb, s->threads) != 0) return fail + 7;
+    if (ops->gemm(s->h, hidden, L.gate_up.packed, s->gate_up, L.gate_up.n, m, L.gate_up.n, L.gate_up.k, L.gate_up.kb,
+                  s->threads) != 0)
+      return fail + 7;
     if (ops->gemm_gated(s->gate_up, 2 * L.down.k, L.down.packed, s->x, L.down.n, m, L.down.n, L.down.k, L.down.kb,
-                        s->threads, s->act) != 0) return fail + 8;
+                        s->threads, s->act) != 0)
+      return fail + 8;
     in = s->x;
   }
   return 0;
