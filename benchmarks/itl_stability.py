@@ -247,7 +247,7 @@ def prefill_cost(arch: dict, chunk: int | None, length: int, step_budget: bool) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small run (< 2 min): fewer, shorter prompts")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the report to benchmarks/results/")
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     ap.add_argument("--num-long", type=int, default=None, help="long prompts arriving (default 30; quick 8)")

@@ -112,7 +112,7 @@ def label(chunk: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2k and 4k prompts, 1 layer, chunks 256/1024 (< 2 min)")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the report to benchmarks/results/")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="default 8192 16384 (quick 2048 4096)")
     ap.add_argument("--chunks", type=int, nargs="+", default=None, help="default 256 512 1024 (quick 256 1024)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; quick 1)")

@@ -1,4 +1,4 @@
-"""Which process-level runtime settings speed up ladle's engine on this CPU (issue 21, "Runtime").
+"""Which process-level runtime settings speed up ladle's engine on this CPU.
 
 vLLM-CPU preloads tcmalloc (and, in older releases, Intel's OpenMP runtime) and binds its OpenMP
 threads to cores before torch starts. This script measures each of those on ladle's own workload, the
@@ -49,8 +49,7 @@ from ladle.runner.startup import find_malloc, library_dirs
 
 TCMALLOC = find_malloc()  # what the CLI's start-up step would preload
 JEMALLOC = next((d / "libjemalloc.so.2" for d in library_dirs() if (d / "libjemalloc.so.2").is_file()), None)
-IOMP5_CANDIDATES = [REPO / "peer" / "lib" / "libiomp5.so", Path("/work/main/peer/lib/libiomp5.so"),
-                    Path(sys.prefix) / "lib" / "libiomp5.so"]
+IOMP5_CANDIDATES = [REPO / "peer" / "lib" / "libiomp5.so", Path(sys.prefix) / "lib" / "libiomp5.so"]
 # glibc malloc keeping freed memory instead of returning it to the kernel (which faults it in again,
 # zeroed, at the next allocation): no mmap'd chunks (blocks over 32 MiB are always mmap'd otherwise) and
 # a 1 GiB trim threshold; the price is that the process keeps its peak heap for good

@@ -209,7 +209,7 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 short requests, 16 output tokens (< 2 min)")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the report to benchmarks/results/")
     ap.add_argument("--num-requests", type=int, default=None, help="default 128 (quick 6)")
     ap.add_argument("--median-prompt", type=int, default=None, help="lognormal median, default 256 (quick 48)")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of prompt lengths")

@@ -1,6 +1,6 @@
-"""ladle vs vLLM-CPU on the same CPU, the same model and the same prompt tokens (issue 21).
+"""ladle vs vLLM-CPU on the same CPU, the same model and the same prompt tokens.
 
-Workload (the issue's): a random-weight 166M-parameter Qwen3 (8 layers, hidden 1024, intermediate
+Workload: a random-weight 166M-parameter Qwen3 (8 layers, hidden 1024, intermediate
 3072, 16 heads / 8 KV heads x 64, vocab 32,000, untied LM head), fp32, saved with save_pretrained;
 32 prompts of seeded lognormal lengths (~12,000 prompt tokens) given as token ids, 32 greedy tokens
 each (EOS ignored), step budget 512 tokens, max_num_seqs 64, prefix caching off, paged KV cache.
@@ -251,7 +251,7 @@ def _worker_command(python: Path, system: str, args: argparse.Namespace, threads
 def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int, mode: str,
                model_dir: Path, prompts_file: Path, work: Path, extra_env: dict[str, str] | None = None,
                cwd: Path | None = None) -> dict:
-    """One measurement in a process of its own; extra_env last (benchmarks/ladle_ab.py's variants: another
+    """One measurement in a process of its own; extra_env last (benchmarks/experiments/ladle_ab.py's variants: another
     checkout on PYTHONPATH, switches), run from cwd (default: this repository)."""
     out = work / f"{system}-{threads}-{mode}-{time.monotonic_ns()}.json"
     cmd, env = _worker_command(python, system, args, threads, mode, model_dir, prompts_file, extra_env)
@@ -262,7 +262,7 @@ def run_worker(python: Path, system: str, args: argparse.Namespace, threads: int
     return json.loads(out.read_text())
 
 
-# Run in a session of its own by the first freeze: reads the stopped workers' process groups from this process
+# Run in a process session of its own by the first freeze: reads the stopped workers' process groups from this process
 # until its end (an exit, a crash or SIGKILL closes the pipe), then continues them all. Each worker then reads the
 # end of its own stdin and exits, instead of staying stopped for good.
 _WATCHDOG = """
@@ -293,7 +293,7 @@ def _watch(group: int) -> None:
 class ServedWorker:
     """A worker kept alive for a whole cell (--persistent): loaded and warmed up once (a small generate, then a
     whole untimed one: a system's first full-size generate pays first-time costs, vLLM's ~8% here), then one
-    timed generate per `measure()`. It runs in a session of its own, so closing it ends vLLM's EngineCore child
+    timed generate per `measure()`. It runs in a process session of its own, so closing it ends vLLM's EngineCore child
     too; its stderr goes to a file in `work` (read back when it fails); extra_env and cwd as for run_worker."""
 
     WAIT_S = 1800.0  # the longest one generate (or the load and warm-up) may take before the run fails
@@ -369,8 +369,8 @@ class ServedWorker:
                            "resident worker must go idle (an OpenMP spin without end?); run without --persistent")
 
     def freeze(self) -> None:
-        """Stop every process of the worker's session (SIGSTOP) while the other system runs: an idle vLLM still
-        polls (~1-1.5% of a core, measured in the thirteenth session), which lands in the other's timed run.
+        """Stop every process of the worker's process session (SIGSTOP) while the other system runs: an idle vLLM still
+        polls (~1-1.5% of a core, measured), which lands in the other's timed run.
         A stopped worker cannot see its stdin close, so the watchdog continues it if this process dies."""
         _watch(self.proc.pid)
         os.killpg(self.proc.pid, signal.SIGSTOP)
@@ -379,7 +379,7 @@ class ServedWorker:
         """Let the worker's processes run again (SIGCONT), before its own measurement or its close."""
         try:
             os.killpg(self.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:  # its session is gone (the worker exited and was reaped)
+        except ProcessLookupError:  # its process session is gone (the worker exited and was reaped)
             pass
 
     def cpu_seconds(self) -> float:
@@ -395,7 +395,7 @@ class ServedWorker:
         return total
 
     def close(self) -> None:
-        """Ask the worker to quit; its whole session (vLLM's EngineCore included) is killed if it does not."""
+        """Ask the worker to quit; its whole process session (vLLM's EngineCore included) is killed if it does not."""
         self.thaw()  # a stopped process would not read its "quit"
         try:
             if self.proc.poll() is None:
@@ -405,7 +405,7 @@ class ServedWorker:
         except (OSError, subprocess.TimeoutExpired):
             pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its session is left (an orphaned child)
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its process session is left (an orphaned child)
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
@@ -442,7 +442,7 @@ def geometric_mean_interval(ratios: list[float]) -> str:
 
 def exit_on_sigterm() -> None:
     """SIGTERM (kill, timeout) as SystemExit, so `finally` closes --persistent's resident workers: they run in
-    sessions of their own, which a signal to this process's group does not reach."""
+    process sessions of their own, which a signal to this process's group does not reach."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 

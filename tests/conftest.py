@@ -4,7 +4,7 @@
         path = tiny_hf_model_dir("qwen3")      # a directory: config.json, generation_config.json, safetensors
         model = ladle.models.load_model(str(path), None, torch.float32, "cpu")
 
-Names: see TINY_HF_MODELS. Each is built once per session. `build_tiny_hf_model(name)` returns the
+Names: see TINY_HF_MODELS. Each is built once per pytest session. `build_tiny_hf_model(name)` returns the
 transformers model itself (fp32, eager attention) for use as a reference.
 """
 
@@ -128,7 +128,7 @@ def build_tiny_hf_model(name: str, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_hf_model_dir(tmp_path_factory) -> Callable[..., Path]:
-    """tiny_hf_model_dir(name, max_shard_size=None) -> a save_pretrained directory, built once per session."""
+    """tiny_hf_model_dir(name, max_shard_size=None) -> a save_pretrained directory, built once per pytest session."""
     cache: dict[tuple[str, str | None], Path] = {}
 
     def get(name: str, max_shard_size: str | None = None) -> Path:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download, on this (networked) machine, the wheels the lent GPU machine lacks into .whl/ (git-ignored),
+# Download, on this (networked) machine, the wheels an offline GPU machine lacks into .whl/ (git-ignored),
 # for `bringup.sh` to install there: hydra-core, omegaconf, antlr4 (built here: PyPI has only its sdist),
 # xgrammar, jsonschema and what they need, for CPython 3.12 on x86-64 (the GPU image's Python). The GPU
 # image already has torch, triton, transformers, pyarrow, numpy, pytest, pytest-xdist, hypothesis.

@@ -125,7 +125,7 @@ class EngineConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     max_num_seqs: int = 64  # most requests running at once
     seed: int = 0  # sampling seed for requests without their own
-    # Batch-invariant mode (issue 22): a request's logits are bitwise the same whatever the schedule
+    # Batch-invariant mode: a request's logits are bitwise the same whatever the schedule
     # (chunk size, budget, ubatch, batch, prefix hits, preemption, fork, cache backend). CPU float32 only.
     deterministic: bool = False
 

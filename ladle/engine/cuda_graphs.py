@@ -81,7 +81,7 @@ class GraphSet:
         self.backend = backend
         self.sizes = sizes
         # model.compile: record the compiled forward (inductor's fused kernels: on a 0.6B model at batch 1,
-        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md "GPU"); the eager
+        # 1.6 ms of GPU time per step against the eager forward's 2.6, docs/benchmarks.md section 4); the eager
         # one if that capture fails.
         self.records_compiled = bool(getattr(model, "compiled", False))
         self.graphs: dict[int, _Graph] = {}

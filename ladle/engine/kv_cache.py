@@ -61,7 +61,7 @@ def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     block, as vLLM's CPU cache), handed out transposed to the logical shape: one head's rows of a block
     are contiguous, so a decode that walks a block head by head reads it in address order (measured at 1
     thread, 32 decodes at context 400, 16 / 8 heads x 64: 1.24x faster than token-major blocks, whose
-    head rows are 2 KiB apart; docs/benchmarks.md section 8d). The kernels take any layout (cpu_paged
+    head rows are 2 KiB apart; docs/design-notes.md). The kernels take any layout (cpu_paged
     its strides, the torch reference kernels/reference.cache_rows); the logical shape is what everything
     indexes. Also on 2 MiB pages where the OS allows (fewer page walks: kernels/cpu_paged.zeros_on_huge_pages).
     Elsewhere (CUDA) token-major and contiguous, as the Triton kernels expect.
@@ -70,10 +70,10 @@ def layer_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     plane's start (engine/kv_spec.py; a gap under 2 MiB, which the memory plan counts: KVCacheSpec.gap_bytes).
     A key's K and V rows, which a decode reads together, must not lie a large power of two apart, where the
     memory system maps them onto the same resources; default pools often are one (max_num_seqs x
-    max_model_len tokens under the 4 GiB CPU cap gave docs/benchmarks.md's 166M model 8,192 blocks, 256 MiB
+    max_model_len tokens under the 4 GiB CPU cap gave benchmarks/vs_vllm.py's 166M model 8,192 blocks, 256 MiB
     planes). Measured on a Zen 4 EPYC (32 decodes at context 400, 16 / 8 heads x 64, 1 thread): planes 256
     or 512 MiB apart took 5.6-5.9 ms a call, 2.7-2.9 ms with any gap of 4 KiB to 8 MiB (64 bytes were not
-    enough); docs/benchmarks.md section 8f.
+    enough); docs/design-notes.md.
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

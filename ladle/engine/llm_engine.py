@@ -172,7 +172,7 @@ class LLMEngine:
 
     @property
     def runner(self):
-        """The model runner under its old name (benchmarks/forward_efficiency.py); use model_runner."""
+        """The model runner under its old name (benchmarks/experiments/forward_efficiency.py); use model_runner."""
         return self.model_runner
 
     @property

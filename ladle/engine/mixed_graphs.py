@@ -1,7 +1,7 @@
 """CUDA graphs for forwards that carry prefill chunks: captured once per padded token count, replayed.
 
 A step with a 512-token chunk beside 32 decodes of a 4B model launches as many kernels as a decode step
-and runs eager, bound by those launches on a GPU (docs/benchmarks.md "GPU"). These graphs record whole
+and runs eager, bound by those launches on a GPU (docs/benchmarks.md section 4). These graphs record whole
 forwards of mixed batches (decodes and chunks together), keyed by the padded token count, as vLLM V1's
 full graphs over its unified Triton attention do.
 

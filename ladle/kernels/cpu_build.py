@@ -1,11 +1,11 @@
-"""Build the C++ CPU attention kernel once per machine and source, and load it with ctypes.
+"""Build the C++ CPU kernels (kernels/csrc) once per machine and source, and load them with ctypes.
 
 The kernel is plain C++ (no torch headers, no pybind, no ninja), so a build is one compiler call of
 about 4 s, and needs only a C++17 compiler (g++ or clang++; `CXX` picks another), with OpenMP for more
 than one thread. With GCC it links the OpenMP runtime by its soname, `libgomp.so.1`, which torch's
 wheel has already loaded: one runtime, one thread pool. The shared library is cached under `LADLE_KERNEL_CACHE` (default
-`~/.cache/ladle/kernels`) by a hash of the source, the compiler, its flags and the CPU's feature flags
-(it is built with -march=native), written to a temporary name and renamed, so concurrent first uses
+`~/.cache/ladle/kernels`) by a hash of the source files (the .cpp and every header of kernels/csrc it
+includes), the compiler, its flags and the CPU's feature flags (it is built with -march=native), written to a temporary name and renamed, so concurrent first uses
 never load a half-written file. If anything fails, `load_library()` returns None, `build_error()` says
 why, and one warning is logged: the dispatcher then uses the torch reference attention.
 """
@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,9 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ladle.kernels.cpu_paged_source import SOURCE
+from ladle.kernels.cpu_structs import PAGED_LAYOUT, check_layout
 
 log = logging.getLogger("ladle.kernels")
+
+CSRC = Path(__file__).resolve().parent / "csrc"  # the kernels' sources, shipped in the package
+PAGED_SOURCE = CSRC / "paged_attention.cpp"
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 # Keys per tile. Part of the numerical contract: outputs are bitwise reproducible only between builds
 # with the same tile (and the same instruction set). LADLE_ATTENTION_TILE is for experiments only.
@@ -68,20 +73,35 @@ def cache_dir() -> Path:
     return Path(base) / "ladle" / "kernels"
 
 
-def _compile(cxx: str, flags: list[str], out: Path, source: str = SOURCE) -> None:
+def source_files(source: Path) -> list[Path]:
+    """`source` and every file it includes with quotes, transitively (found beside the includer, else in
+    its -I directory, the source's own): what a build of it reads of ours, so what its cache key hashes."""
+    seen: list[Path] = []
+    todo = [source.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in _INCLUDE.findall(path.read_text()):
+            for folder in (path.parent, source.resolve().parent):
+                if (folder / name).is_file():
+                    todo.append((folder / name).resolve())
+                    break
+    return seen
+
+
+def _compile(cxx: str, flags: list[str], out: Path, source: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    src = Path(tmp).with_suffix(".cpp")
     try:
-        src.write_text(source)
-        cmd = [cxx, *flags, str(src), "-o", tmp]
+        cmd = [cxx, *flags, f"-I{source.parent}", str(source), "-o", tmp]
         result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
         os.replace(tmp, out)
     finally:
-        src.unlink(missing_ok=True)
         Path(tmp).unlink(missing_ok=True)
 
 
@@ -90,11 +110,12 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.ladle_attention_isa.restype = ctypes.c_char_p
     lib.ladle_paged_attention.restype = ctypes.c_int
     lib.ladle_paged_attention.argtypes = [ctypes.c_void_p]
+    check_layout(lib, "ladle_paged_layout", PAGED_LAYOUT)
     return lib
 
 
 def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None,
-                  source: str = SOURCE) -> tuple[ctypes.CDLL, Path]:
+                  source: Path = PAGED_SOURCE) -> tuple[ctypes.CDLL, Path]:
     """Build (or reuse) the kernel with these architecture flags, and load it. The default build is
     `load_library()`'s; tests and benchmarks build others (e.g. -mno-avx512f: the AVX2 path; or another
     revision's source, to compare)."""
@@ -104,20 +125,27 @@ def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | Non
     return _open(path), path
 
 
+def library_name(source: Path, stem: str, cxx: str, flags: list[str]) -> str:
+    """The cached library's file name: `stem` and a hash of every source file the build reads (names and
+    text), the compiler and its version, the flags and the CPU's feature flags."""
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
+    texts = [f"{p.name}\0{p.read_text()}" for p in source_files(source)]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    return f"{stem}_{key[:20]}.so"
+
+
 def compile_cached(
-    source: str, stem: str, flags: list[str], directory: Path | None = None
+    source: Path, stem: str, flags: list[str], directory: Path | None = None
 ) -> tuple[Path, float | None]:
-    """The shared library built from `source` with BASE_FLAGS + flags, under `directory` (default
-    cache_dir(); a private temporary directory when that is unwritable), keyed by source, compiler,
-    flags and CPU; (its path, build seconds or None if cached). Shared by every C++ kernel library
-    (kernels/cpu_fused.py builds a second one)."""
+    """The shared library built from the C++ file `source` (with -I its folder) with BASE_FLAGS + flags,
+    under `directory` (default cache_dir(); a private temporary directory when that is unwritable), keyed
+    by the text of every source file it includes, compiler, flags and CPU; (its path, build seconds or
+    None if cached). Shared by every C++ kernel library."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError(NO_COMPILER)
-    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     flags = [*BASE_FLAGS, *flags]
-    key = hashlib.sha256("\0".join([source, cxx, version, *flags, _cpu_flags()]).encode()).hexdigest()
-    name = f"{stem}_{key[:20]}.so"
+    name = library_name(source, stem, cxx, flags)
     path = (directory or cache_dir()) / name
     if path.exists():
         return path, None
@@ -133,7 +161,7 @@ def compile_cached(
     return path, seconds
 
 
-def build_first(source: str, stem: str, open_library: Callable[[Path], ctypes.CDLL]) -> tuple[ctypes.CDLL | None, str | None]:
+def build_first(source: Path, stem: str, open_library: Callable[[Path], ctypes.CDLL]) -> tuple[ctypes.CDLL | None, str | None]:
     """`source` built with the first of ARCH_FLAGS that compiles and loads (open_library(path) loads it and
     sets its signatures): (library, None), or (None, the last attempt's error)."""
     error = None
@@ -160,7 +188,7 @@ def report_unavailable(fallback: str, error: str) -> None:
                     "deterministic=true needs them); first: %s", NO_COMPILER, fallback)
 
 
-def load_first(state: dict, lock: threading.Lock, source: str, stem: str,
+def load_first(state: dict, lock: threading.Lock, source: Path, stem: str,
                open_library: Callable[[Path], ctypes.CDLL], unavailable: str) -> ctypes.CDLL | None:
     """`build_first` once per process, its library kept in state["lib"] (its error in state["error"]); when
     none builds, one warning, `unavailable` and the error, and None from then on."""

@@ -1,4 +1,4 @@
-"""Fused CPU float32 kernels for a layer's elementwise work (C++ in kernels/cpu_fused_source.py).
+"""Fused CPU float32 kernels for a layer's elementwise work (C++ in kernels/csrc/fused.cpp).
 
 Eager torch runs a decoder layer's norms, RoPE and activation as ~25 separate ops, each a pass over
 its tensor in memory; these do each group in one pass:
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ladle.kernels.cpu_build import ARCH_FLAGS, compile_cached, report_unavailable
-from ladle.kernels.cpu_fused_source import SOURCE
+from ladle.kernels.cpu_build import ARCH_FLAGS, CSRC, compile_cached, report_unavailable
 
 log = logging.getLogger("ladle.kernels")
 
@@ -121,7 +120,7 @@ def open_library(path: Path) -> ctypes.CDLL:
 def build_library(arch_flags: tuple[str, ...] | list[str], directory: Path | None = None) -> ctypes.CDLL:
     """Build (or reuse) the library with these architecture flags and load it, math installed.
     Tests build others than the default (e.g. -mno-avx512f, or no -march: the generic path)."""
-    path, seconds = compile_cached(SOURCE, "libladle_fused", list(arch_flags), directory)
+    path, seconds = compile_cached(CSRC / "fused.cpp", "libladle_fused", list(arch_flags), directory)
     if seconds is not None:
         _state["build_seconds"] = seconds
     lib = open_library(path)

@@ -1,11 +1,11 @@
-"""CPU float32 GEMM for the linear layers (C++ in kernels/cpu_gemm_source.py): oneDNN's bits, faster.
+"""CPU float32 GEMM for the linear layers (C++ in kernels/csrc/gemm.cpp): oneDNN's bits, faster.
 
 Why our own: oneDNN's packed inner product (models/linear.py) runs a few-row GEMM, a decode step's,
 in about the weight's DRAM time *plus* its compute time (the 166M model's linears: ~13 ms + ~1.0 ms
 per row at one thread), where the two could overlap. This kernel streams the packed weight with
 software prefetches far enough ahead to hide DRAM latency behind the multiply-adds: 1.2-1.45x
 faster from 8 to 32 rows; from ~128 rows both run near this core's peak (at 512 rows, the model's four
-decoder shapes 0.98-1.03x of oneDNN at one thread; benchmarks/gemm_stream.py, docs/benchmarks.md 5c).
+decoder shapes 0.98-1.03x of oneDNN at one thread; benchmarks/experiments/gemm_stream.py, docs/design-notes.md).
 Threads split the column groups; one done with its share takes groups from the back of another's, so a
 slower core (a busy vCPU) does not hold the others at the end of the call.
 
@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.kernels.cpu_build import load_first
-from ladle.kernels.cpu_gemm_source import SOURCE
+from ladle.kernels.cpu_build import CSRC, load_first
 from ladle.kernels.cpu_paged import zeros_on_huge_pages
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -55,7 +54,7 @@ def _open(path) -> ctypes.CDLL:
 
 def load_library() -> ctypes.CDLL | None:
     """The kernel, built at first use (-march=native first); None when it cannot be built."""
-    return load_first(_state, _lock, SOURCE, "libladle_gemm", _open,
+    return load_first(_state, _lock, CSRC / "gemm.cpp", "libladle_gemm", _open,
                       "CPU GEMM kernel unavailable, the linear layers keep oneDNN")
 
 
@@ -134,7 +133,7 @@ class PackedWeight:
 
 def pack(weight: torch.Tensor, kb: int | None = None, *, lib: ctypes.CDLL | None = None) -> PackedWeight:
     """weight [N, K] (CPU float32, unit last stride) packed for `gemm`; kb: K block (default k_block). lib: another
-    build of this kernel to pack with (benchmarks/gemm_ab.py compares builds whose layouts may differ)."""
+    build of this kernel to pack with (benchmarks/experiments/gemm_ab.py compares builds whose layouts may differ)."""
     lib = lib if lib is not None else load_library()
     if lib is None:
         raise RuntimeError(f"the CPU GEMM kernel is not available: {_state.get('error')}")
@@ -163,7 +162,7 @@ def gemm(x: torch.Tensor, packed: PackedWeight, act: str | None = None, *, out: 
     act (a key of GATED_ACTIVATIONS; needs `gated_available()`): x is [M, 2K], gate then up, and the
     product is act(gate) * up @ weight.T, the activation computed while the rows are packed, bitwise
     kernels/cpu_fused.gated_activation's (no [M, K] intermediate in memory). lib: another build of this
-    kernel, with `packed` packed by it (benchmarks/gemm_ab.py)."""
+    kernel, with `packed` packed by it (benchmarks/experiments/gemm_ab.py)."""
     width = packed.in_features * (1 if act is None else 2)
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"cpu_gemm.gemm: x {x.dtype} {tuple(x.shape)} does not fit a weight "

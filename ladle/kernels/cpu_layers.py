@@ -1,4 +1,4 @@
-"""The CPU decoder-layer stack: a forward's layers run as one native call (C++ in kernels/cpu_layers_source.py).
+"""The CPU decoder-layer stack: a forward's layers run as one native call (C++ in kernels/csrc/layers.cpp).
 
 Why: each kernel of a layer is fast, but between two of them the Python and torch glue of models/ (views,
 splits, output allocations, argument checks) ran cold: on this project's shared vCPUs the first torch op
@@ -18,41 +18,16 @@ import ctypes
 import os
 import threading
 
-from ladle.kernels.cpu_build import load_first
-from ladle.kernels.cpu_layers_source import SOURCE
+from ladle.kernels.cpu_build import CSRC, load_first
+from ladle.kernels.cpu_structs import STACK_LAYOUT, StackLayer, StackLinear, StackOps, StackStep, check_layout
 
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+# the structs a caller fills live with the other ctypes mirrors; they are part of this module's API
+__all__ = ["STEP_NAMES", "StackLayer", "StackLinear", "StackOps", "StackStep", "enabled", "load_library", "ops",
+           "run", "set_enabled"]
+
+_P, _I32 = ctypes.c_void_p, ctypes.c_int32
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-class StackOps(ctypes.Structure):
-    _fields_ = [("add_rmsnorm", _P), ("gemm", _P), ("gemm_gated", _P), ("qk_norm_rope", _P), ("attention", _P)]
-
-
-class StackLinear(ctypes.Structure):
-    _fields_ = [("packed", _P), ("n", _I32), ("k", _I32), ("kb", _I32)]
-
-
-class StackLayer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _P), ("post_norm", _P), ("qk_norm", _P),
-        ("qkv", StackLinear), ("o", StackLinear), ("gate_up", StackLinear), ("down", StackLinear),
-        ("k_cache", _P), ("v_cache", _P),
-    ]
-
-
-class StackStep(ctypes.Structure):
-    _fields_ = [
-        ("rows", _I64),
-        ("hidden", _I32), ("q_heads", _I32), ("kv_heads", _I32), ("head_dim", _I32), ("act", _I32),
-        ("lanes", _I32), ("threads", _I32),
-        ("eps", _F), ("qk_eps", _F),
-        ("cos", _P), ("sin", _P), ("cos_row", _I64), ("sin_row", _I64),
-        ("input", _P), ("x", _P), ("residual", _P),
-        ("h", _P), ("qkv", _P), ("qk", _P), ("attn", _P), ("o", _P), ("gate_up", _P),
-        ("attention_args", _P), ("args_k_cache", _P), ("args_v_cache", _P),
-    ]
 
 
 STEP_NAMES = {1: "input norm", 2: "qkv projection", 3: "q/k norm and RoPE", 4: "attention", 5: "o projection",
@@ -63,12 +38,13 @@ def _open(path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ladle_stack_run.argtypes = [_P, _P, _P, _I32]
     lib.ladle_stack_run.restype = _I32
+    check_layout(lib, "ladle_stack_layout", STACK_LAYOUT)
     return lib
 
 
 def load_library() -> ctypes.CDLL | None:
     """The stack, built at first use; None when it cannot be (the layers then run one op at a time)."""
-    return load_first(_state, _lock, SOURCE, "libladle_layers", _open, "CPU layer stack unavailable, layers run op by op")
+    return load_first(_state, _lock, CSRC / "layers.cpp", "libladle_layers", _open, "CPU layer stack unavailable, layers run op by op")
 
 
 def enabled() -> bool:

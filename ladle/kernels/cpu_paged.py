@@ -1,4 +1,4 @@
-"""CPU paged attention: the C++ kernel (kernels/cpu_paged_source.py) that reads the KV cache in place.
+"""CPU paged attention: the C++ kernel (kernels/csrc/paged_attention.cpp) that reads the KV cache in place.
 
 What it computes is the reference's attention (kernels/reference.py): causal by absolute position,
 optional sliding window and logit soft-cap, GQA, decodes and prefill chunks in one flattened batch,
@@ -57,34 +57,16 @@ import sys
 import torch
 
 from ladle.kernels.cpu_build import load_library
+from ladle.kernels.cpu_structs import Args
 from ladle.kernels.metadata import AttentionMetadata
 from ladle.kernels.reference import write_kv_cache
 
 # Query rows (positions x query heads of a KV head) per work item of a prefill chunk: each key tile is
 # copied once per item, so more rows amortise it (192, four blocks of 48, measured ~4% faster than 96
-# on the issue-21 workload's chunks at 1 and 2 threads); the kernel halves it when a batch's chunks
+# on vs_vllm.py's workload's chunks at 1 and 2 threads); the kernel halves it when a batch's chunks
 # would give fewer than 4 items per thread.
 ROWS_PER_ITEM = 192
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class _Args(ctypes.Structure):
-    # Mirrors `struct Args` in kernels/cpu_paged_source.py, field for field.
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
-        ("out", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-        ("k_new", ctypes.c_void_p), ("v_new", ctypes.c_void_p),
-        ("k_stride_t", ctypes.c_int64), ("k_stride_h", ctypes.c_int64),
-        ("v_stride_t", ctypes.c_int64), ("v_stride_h", ctypes.c_int64),
-        ("slot_mapping", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p),
-        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
-        ("num_seqs", ctypes.c_int32), ("num_tokens", ctypes.c_int32), ("num_heads", ctypes.c_int32),
-        ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32),
-        ("q_dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32), ("window", ctypes.c_int32),
-        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("num_threads", ctypes.c_int32), ("positions_per_item", ctypes.c_int32),
-        ("kv_stride_block", ctypes.c_int64), ("kv_stride_token", ctypes.c_int64), ("kv_stride_head", ctypes.c_int64),
-    ]
 
 
 class _ForwardArgs:
@@ -100,26 +82,26 @@ class _ForwardArgs:
         tables = meta.block_tables.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.tensors = (qsl, seq_lens, tables, slots)
-        a = self.base = _Args()
+        a = self.base = Args()
         a.query_start_loc, a.seq_lens = qsl.data_ptr(), seq_lens.data_ptr()
         a.block_tables, a.bt_stride = tables.data_ptr(), tables.shape[1]
         a.slot_mapping = slots.data_ptr()
         a.num_seqs, a.num_tokens, a.block_size = meta.num_seqs, meta.num_tokens, meta.block_size
         a.num_threads = torch.get_num_threads()
-        self.layers: dict[tuple, _Args] = {}
+        self.layers: dict[tuple, Args] = {}
 
     def layer(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None,
-              softcap: float | None) -> _Args:
+              softcap: float | None) -> Args:
         key = (q.shape[1], q.shape[2], q.dtype, kv_cache.shape[-2], kv_cache.dtype, window, scale, softcap)
         t = self.layers.get(key)
         if t is None:
-            t = self.layers[key] = _Args.from_buffer_copy(self.base)
+            t = self.layers[key] = Args.from_buffer_copy(self.base)
             num_heads, num_kv = q.shape[1], kv_cache.shape[-2]
             t.num_heads, t.num_kv_heads, t.head_dim = num_heads, num_kv, q.shape[2]
             t.q_dtype, t.kv_dtype = _DTYPES[q.dtype], _DTYPES[kv_cache.dtype]
             t.window, t.scale, t.softcap = window or 0, scale, softcap or 0.0
             t.positions_per_item = max(1, ROWS_PER_ITEM // (num_heads // num_kv))
-        return _Args.from_buffer_copy(t)
+        return Args.from_buffer_copy(t)
 
 
 _HUGE_PAGE = 2 << 20
@@ -133,7 +115,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     Why: the kernel's decodes read blocks scattered over the cache, and with 4 KiB pages each 16-token
     block costs page walks (software prefetches included). Measured at 1 thread: a 128-sequence decode
     at context 512 (16 / 8 heads x 64) 1.14x faster with its cache from here than from torch.zeros; the
-    issue-21 workload's decode forwards 1.08x with every allocation on huge pages (THP_MEM_ALLOC_ENABLE=1).
+    vs_vllm.py's workload's decode forwards 1.08x with every allocation on huge pages (THP_MEM_ALLOC_ENABLE=1).
     Same bytes, same layout, same bits.
 
     The memory is an anonymous mapping of its own, starting on a 2 MiB boundary, that the tensor's
@@ -182,7 +164,7 @@ def call_args(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-) -> _Args:
+) -> Args:
     """The kernel's arguments for one layer's call: q [T, H, D] (unit last stride) into out [T, H, D]
     float32, over kv_cache; k_new / v_new set where k and v go into the cache as they are (else None:
     the caller writes them, converted). kernels/cpu_layers passes the same struct for a stack of layers."""

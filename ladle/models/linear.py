@@ -1,12 +1,12 @@
 """Linear layers for CPU inference: a weight packed once, one path that is batch-invariant.
 
-On this CPU (AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12; benchmarks/linear_cpu.py)
+On this CPU (AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12; benchmarks/experiments/linear_cpu.py)
 `F.linear` in fp32 is MKL's sgemm, which packs the weight on every call and runs at 40-50% of oneDNN's
 speed. oneDNN's inner product (`mkldnn::_linear_pointwise`) on a weight reordered once into its blocked
 layout (`mkldnn::_reorder_linear_weight`, what inductor's CPU freezing does for a dynamic batch) is
 2-3x faster than F.linear from 8 rows up (1-1.7x at one row, where both stream the weight).
 
-Batch invariance (issue 22): with the packed weight, a row's output is bitwise the same for every
+Batch invariance: with the packed weight, a row's output is bitwise the same for every
 row count M >= 2, every position in the batch, any other rows, and every thread count tried (1, 2, 3,
 4, 8, 16): oneDNN blocks over rows and columns but reduces over K in one fixed order. Only M = 1 takes
 another kernel, which reduces in another order when K >= 2048, so a one-row call is padded to two rows

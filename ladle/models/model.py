@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
         return sum(m.packed_bytes() for m in self.modules() if isinstance(m, Linear))
 
     def set_deterministic(self, enabled: bool = True) -> None:
-        """Batch-invariant mode (issue 22) for the model's own ops: a row's hidden state and logits are
+        """Batch-invariant mode for the model's own ops: a row's hidden state and logits are
         bitwise the same whatever other rows share the forward and however many there are. Linear layers
         already are on their packed CPU path (models/linear.py), which this checks now for every weight
         shape at the current thread count, raising where it cannot hold (CUDA, non-float32, no oneDNN);

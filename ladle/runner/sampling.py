@@ -178,8 +178,8 @@ def base_params(cfg: Any) -> SamplingParams:
 
 
 def param_problems(p: SamplingParams) -> list[str]:
-    """SamplingParams.problems() plus the checks of the issue-13 fields (the engine branches add the same
-    to problems(); a key it already reports is not reported twice)."""
+    """SamplingParams.problems() plus the checks of the per-row fields (n, logprobs, structured output; the
+    engine branches add the same to problems(); a key it already reports is not reported twice)."""
     out = p.problems()
     if p.max_tokens == 0 and p.prompt_logprobs is not None:  # scoring (allowed by the contract)
         out = [x for x in out if not x.startswith("max_tokens=")]

@@ -3,7 +3,7 @@
 `ladle` (and `python -m ladle`) calls `prepare()` first thing, before torch (and with it torch's OpenMP
 runtime, GNU libgomp) is imported; libgomp reads its environment once, when it is loaded, and a malloc
 must be in place before the first allocation, so neither can be changed later in the process.
-What it does (measured in docs/benchmarks.md, "Runtime start-up"):
+What it does (measured by benchmarks/startup_runtime.py; docs/design-notes.md, "Runtime start-up"):
 
 - OpenMP wait policy: `OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000`. libgomp's default keeps an idle
   worker thread spinning ~300,000 rounds (~10 ms) after each parallel region; when the cores are shared
@@ -39,7 +39,7 @@ from pathlib import Path
 SWITCH = "LADLE_STARTUP"  # 0/off/false/no: do nothing
 MARKER = "LADLE_STARTUP_EXEC"  # set for the re-executed process: it never executes itself again
 OFF = {"0", "off", "false", "no"}
-# How OpenMP's idle threads wait (docs/benchmarks.md section 10, runs 5-10). A user who set either
+# How OpenMP's idle threads wait (docs/design-notes.md, "Runtime start-up"). A user who set either
 # variable chose between spinning and sleeping already: then both are theirs.
 OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 MALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")

@@ -1,4 +1,4 @@
-"""Did every run of a sweep produce the same tokens? (issue 22: a sweep should change the timing only.)
+"""Did every run of a sweep produce the same tokens? (batch invariance: a sweep should change the timing only.)
 
 Each run's generations.parquet is read as {(id, sample_index): output_token_ids}; every run is compared
 with the first, and the first difference (in the first run's row order) is named: the request, the

@@ -1,15 +1,17 @@
-"""Engine test helpers: build an engine over a tiny HF model directory; transformers' greedy oracle."""
+"""What the engine tests share: build an engine over a tiny HF model directory; transformers' greedy oracle."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from ladle.engine.detokenizer import Detokenizer
+from ladle.engine.request import RequestOutput, StepStats
 from tests.conftest import TEST_DEVICE
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -67,19 +69,46 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int = 32) -> list[int
     return tokens
 
 
-def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict:
-    """Step until idle; returns {request_id: final RequestOutput} and checks the no-leak invariant."""
-    done = {}
+@dataclass
+class Drive:
+    """What an engine did from now until idle."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)  # every output of every step, in order
+    finished: dict[str, RequestOutput] = field(default_factory=dict)  # request id -> its final output
+    samples: dict[tuple[str, int], RequestOutput] = field(default_factory=dict)  # (id, sample) -> final
+    steps: list[StepStats] = field(default_factory=list)  # each step's StepStats (last_step), in order
+
+    def of(self, request_id: str) -> list[RequestOutput]:
+        """Every output of one request, in order."""
+        return [o for o in self.outputs if o.request_id == request_id]
+
+
+def drive(eng: LLMEngine, after_step: Callable[[LLMEngine], None] | None = None,
+          max_steps: int = 100_000) -> Drive:
+    """Step until idle, calling after_step(eng) after each step; then check that every request finished,
+    no KV block leaked and the block pool's invariants hold."""
+    run = Drive()
     for _ in range(max_steps):
         if not eng.has_unfinished_requests():
             break
         for out in eng.step():
+            run.outputs.append(out)
             if out.finished:
-                done[out.request_id] = out
+                run.finished[out.request_id] = out
+                run.samples[(out.request_id, out.sample_index)] = out
+        if eng.last_step is not None:
+            run.steps.append(eng.last_step)
+        if after_step is not None:
+            after_step(eng)
     assert not eng.has_unfinished_requests(), "engine did not finish"
     assert eng.num_free_blocks() == eng.num_total_blocks(), "KV blocks leaked"
     eng.kv.pool.check_invariants()
-    return done
+    return run
+
+
+def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict[str, RequestOutput]:
+    """Step until idle; {request_id: final RequestOutput} (drive's checks included)."""
+    return drive(eng, max_steps=max_steps).finished
 
 
 def wrap_execute(eng: LLMEngine, around: Callable[[Callable, Any], Any]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ladle.engine import SamplingParams
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion, wrap_execute
+from tests.engine.helpers import GREEDY, drive, make_engine, random_prompt, run_to_completion, wrap_execute
 
 
 def capture_logits(eng):
@@ -78,15 +78,9 @@ def test_decode_streams_unchanged_by_long_prefill_beside_them(tiny_hf_model_dir,
     for _ in range(3):  # the short requests are decoding
         eng.step()
     long_id = eng.add_request(random_prompt(280, seed=99), GREEDY)
-    mixed_steps = 0
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        s = eng.last_step
-        if s is not None and long_id in s.scheduled and s.decode_tokens:
-            mixed_steps += 1
+    run = drive(eng)
+    done = run.finished
+    mixed_steps = sum(1 for s in run.steps if long_id in s.scheduled and s.decode_tokens)
     assert mixed_steps >= 5, "the long prompt should have been chunked beside running decodes"
     for rid, ref in zip(ids, alone):
         assert done[rid].output_token_ids == ref.output_token_ids

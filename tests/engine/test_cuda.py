@@ -91,7 +91,7 @@ def test_cuda_graph_decodes_equal_eager(tiny_hf_model_dir, dtype):
 
 
 def test_cuda_graphs_keep_the_cache_and_blocks_intact(tiny_hf_model_dir):
-    """Padding rows write nothing: a second round served from prefix-cached blocks gives the same tokens."""
+    """Padding rows write nothing: a second pass served from prefix-cached blocks gives the same tokens."""
     eng = cuda_engine(tiny_hf_model_dir("gemma3"), "float32", max_num_seqs=6)
     prompts = [random_prompt(n, seed=100 + n) for n in (33, 48, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

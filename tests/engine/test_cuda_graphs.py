@@ -179,7 +179,7 @@ PLAN_SCRIPT = textwrap.dedent(
 def test_replay_equals_eager_to_rounding_past_one_key_tile(tiny_hf_model_dir):
     """A replay sums a context in the capture plan's split-KV segments, eager in its own count (decided
     from the real batch): the same attention in another order, so equal up to fp32 rounding, not bitwise
-    (the reviewer measured last-bit differences from prompt position ~33 on). fp32 on the CPU, where the
+    (last-bit differences were measured from prompt position ~33 on). fp32 on the CPU, where the
     GEMMs are row-count invariant: what differs is the attention's order alone, and only by rounding."""
     words = _run_script(PLAN_SCRIPT, str(tiny_hf_model_dir("qwen3")))
     assert words[0] == "compared"

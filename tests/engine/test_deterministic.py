@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 22): every request's tokens and logprobs are bitwise those of a reference run
+"""Deterministic mode (batch invariance): every request's tokens and logprobs are bitwise those of a reference run
 (the request alone, whole prompt, batch of one), whatever the engine configuration and the other requests;
 and the combinations that cannot hold it are refused before a model loads."""
 
@@ -196,6 +196,7 @@ def test_unseeded_requests_draw_their_own_stream_in_deterministic_mode():
     import yaml as _yaml
 
     from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from tests.engine.helpers import drive
     from tests.engine.helpers import random_prompt as _prompt
 
     tiny = _yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
@@ -208,11 +209,6 @@ def test_unseeded_requests_draw_their_own_stream_in_deterministic_mode():
         for i in order:
             eng.add_request(prompts[i], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
                             request_id=f"r{i}")
-        out = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    out[o.request_id] = list(o.output_token_ids)
-        return out
+        return {rid: list(o.output_token_ids) for rid, o in drive(eng).finished.items()}
 
     assert tokens(4, [0, 1, 2, 3, 4, 5]) == tokens(64, [5, 3, 1, 0, 2, 4])

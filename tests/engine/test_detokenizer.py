@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from ladle.engine import SamplingParams
 from ladle.engine.detokenizer import Detokenizer, DetokState
 from ladle.models.tokenizer import HFTokenizer
-from tests.engine.helpers import make_engine, use_tokenizer
+from tests.engine.helpers import drive, make_engine, use_tokenizer
 
 CORPUS = [
     "Hello , world . Don't stop ! It's fine ; we're here , aren't we ?",
@@ -115,11 +115,7 @@ def test_engine_text_equals_decode_of_the_output_ids(tiny_hf_model_dir, monkeypa
     monkeypatch.setattr(eng.sampler, "sample", lambda logits, reqs: [script[len(r.output_token_ids)] for r in reqs])
     rid = eng.add_request(hf.encode("Hello , world", add_special_tokens=False),
                           SamplingParams(max_tokens=len(script), temperature=0.0, ignore_eos=True))
-    deltas, final = [], None
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            deltas.append(out.new_text)
-            if out.finished:
-                final = out
+    run = drive(eng)
+    deltas, final = [o.new_text for o in run.outputs], run.finished[rid]
     assert final.request_id == rid and final.output_token_ids == script
     assert "".join(deltas) == final.text == hf.decode(script, skip_special_tokens=True)

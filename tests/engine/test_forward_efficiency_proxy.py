@@ -1,4 +1,4 @@
-"""benchmarks/forward_efficiency.py stands a timing proxy in for the engine's model: the engine must still
+"""benchmarks/experiments/forward_efficiency.py stands a timing proxy in for the engine's model: the engine must still
 run through it, and its FLOP count must follow what the forward computes (the last layer runs o_proj
 and the MLP on the rows the forward returns only: AttentionMetadata.restrict_outputs)."""
 
@@ -12,7 +12,8 @@ import pytest
 from ladle.engine import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "experiments"), str(BENCHMARKS)]  # the script, and benchutil / vs_vllm it imports
 forward_efficiency = pytest.importorskip("forward_efficiency")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

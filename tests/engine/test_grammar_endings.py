@@ -1,4 +1,4 @@
-"""How a structured request ends (issue 20, points 2, 4, 5, 6): a grammar without stop tokens ends
+"""How a structured request ends: a grammar without stop tokens ends
 when it allows nothing more or when the model draws a token it would not take, never at its shortest
 match; a request's own stop_token_ids pass the grammar's mask; stop ids outside the vocabulary are
 the request's error, never the engine's; a stop string is found in text released at any ending."""

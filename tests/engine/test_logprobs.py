@@ -13,7 +13,7 @@ import torch
 
 from ladle.engine import SamplingParams
 from tests.conftest import build_tiny_hf_model
-from tests.engine.helpers import make_engine, random_prompt
+from tests.engine.helpers import drive, make_engine, random_prompt
 
 TOL = 1e-4
 CHUNKINGS = {
@@ -140,11 +140,7 @@ def test_scoring_steps_stop_after_prefill(tiny_hf_model_dir):
     """max_tokens=0 generates nothing: the request is gone right after its last prefill chunk."""
     eng = make_engine(tiny_hf_model_dir("llama"), size=4)
     eng.add_request(random_prompt(10, seed=5), SamplingParams(max_tokens=0, prompt_logprobs=0), request_id="s")
-    steps = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-    assert steps == 3  # 4 + 4 + 2 prompt tokens, no decode step
+    assert len(drive(eng).steps) == 3  # 4 + 4 + 2 prompt tokens, no decode step
 
 
 def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_hf_model_dir):
@@ -172,13 +168,12 @@ def test_prompt_logprobs_preempted_mid_prefill(tiny_hf_model_dir):
         max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2), request_id="r1")
     r1 = eng.requests["r1"]
     partial_at_preemption = []
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
+
+    def note_preemption(eng) -> None:
         if eng.last_step is not None and "r1" in eng.last_step.preempted:
             partial_at_preemption.append(len(r1.prompt_logprobs))
+
+    done = drive(eng, note_preemption).finished
     assert partial_at_preemption and 1 < partial_at_preemption[0] < 24, partial_at_preemption
     check_against_hf(done["r1"], 1, 2)
     check_against_hf(done["r0"], 1, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ladle.engine import SamplingParams
-from tests.engine.helpers import hf_greedy, make_engine, random_prompt
+from tests.engine.helpers import drive, hf_greedy, make_engine, random_prompt
 from tests.engine.test_logprobs import CHUNKINGS, check_against_hf, hf_model, run
 
 
@@ -20,17 +20,9 @@ def samples(done: dict, rid: str) -> list:
 
 
 def step_until_idle(eng) -> tuple[dict, list]:
-    """Like run(), also returning every step's StepStats."""
-    done, steps = {}, []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[(out.request_id, out.sample_index)] = out
-        if eng.last_step is not None:
-            steps.append(eng.last_step)
-    assert eng.num_free_blocks() == eng.num_total_blocks(), "KV blocks leaked"
-    eng.kv.pool.check_invariants()
-    return done, steps
+    """{(request id, sample index): final output} and every step's StepStats."""
+    run = drive(eng)
+    return run.samples, run.steps
 
 
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))

@@ -9,18 +9,15 @@ import pytest
 
 from ladle.engine import SamplingParams
 from ladle.models.tokenizer import HFTokenizer
-from tests.engine.helpers import make_engine, use_tokenizer
+from tests.engine.helpers import drive, make_engine, use_tokenizer
 from tests.engine.test_detokenizer import BUILDERS, CORPUS, _build
 
 
 def _run(eng, prompts, params):
     """Every output of every step, per request id, in order."""
-    seen: dict[str, list] = {}
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            seen.setdefault(out.request_id, []).append(out)
-    return [seen[i] for i in ids]
+    run = drive(eng)
+    return [run.of(i) for i in ids]
 
 
 def _scripted(tiny_hf_model_dir, monkeypatch, kind):

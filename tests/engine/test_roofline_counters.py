@@ -1,4 +1,4 @@
-"""benchmarks/roofline.py counts each kernel call's work: its attention FLOP and byte counts must be the causal
+"""benchmarks/experiments/roofline.py counts each kernel call's work: its attention FLOP and byte counts must be the causal
 pairs and visible K/V a brute-force count gives, and its wrappers must see every call the engine makes (a
 model that stopped calling the kernels through their modules would leave the report silently empty)."""
 
@@ -15,7 +15,8 @@ from ladle.engine import SamplingParams
 from ladle.kernels import cpu_gemm, cpu_layers, cpu_paged
 from tests.engine.helpers import make_engine, random_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "experiments"), str(BENCHMARKS)]  # the script, and benchutil / vs_vllm it imports
 roofline = pytest.importorskip("roofline")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

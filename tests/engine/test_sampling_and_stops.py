@@ -9,7 +9,7 @@ from ladle.engine import SamplingParams, VirtualClock
 from ladle.engine.detokenizer import find_stop
 from ladle.engine.request import Request, RequestMetrics
 from ladle.engine.sampler import Sampler
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, drive, make_engine, random_prompt, run_to_completion
 
 
 def _req(**params) -> Request:
@@ -150,12 +150,8 @@ def test_text_deltas_add_up_and_split_no_characters(tiny_hf_model_dir):
     # Byte tokens 3.. are bytes 0..; force multi-byte UTF-8 by prompting nothing special: just check
     # that the concatenated deltas equal the final text and contain no replacement characters mid-way.
     rid = eng.add_request(random_prompt(12, seed=6), SamplingParams(max_tokens=40, temperature=1.0, seed=3))
-    pieces = []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.request_id == rid:
-                pieces.append(out.new_text)
-                final = out
+    outs = drive(eng).of(rid)
+    pieces, final = [o.new_text for o in outs], outs[-1]
     assert "".join(pieces) == final.text
     assert final.text == eng.tokenizer.decode(final.output_token_ids)
 
@@ -202,15 +198,12 @@ def test_streamed_deltas_never_show_a_stop_string(tiny_hf_model_dir, stop):
     eng = make_engine(tiny_hf_model_dir("qwen3"))
     force_tokens(eng, b"abENDxyz")
     eng.add_request([65, 66, 67], SamplingParams(max_tokens=8, temperature=0.0, stop=stop))
-    pieces, texts = [], []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            pieces.append(out.new_text)
-            texts.append(out.text)
+    outs = drive(eng).outputs
+    pieces, texts = [o.new_text for o in outs], [o.text for o in outs]
     expected = "abE" if stop == ["xyz", "ND"] else "ab"
     assert texts[-1] == expected and "".join(pieces) == expected
     assert all(expected.startswith(t) for t in texts)  # no partial stop string ever shown
-    assert out.finish_reason == "stop"
+    assert outs[-1].finish_reason == "stop"
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ladle.engine import SamplingParams
-from tests.engine.helpers import GREEDY, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, drive, make_engine, random_prompt
 
 DECODE = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
@@ -81,12 +81,9 @@ def test_max_partial_prefills(path, cap):
     eng = make_engine(path, size=8, max_partial_prefills=cap, token_budget=64)
     ids = [eng.add_request(random_prompt(30, seed=i), GREEDY) for i in range(5)]
     reqs = [eng.requests[i] for i in ids]
-    max_partial = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        partial = sum(1 for r in reqs if 0 < r.num_computed_tokens < r.num_prompt_tokens)
-        max_partial = max(max_partial, partial)
-    assert max_partial == cap
+    partial = []
+    drive(eng, lambda eng: partial.append(sum(1 for r in reqs if 0 < r.num_computed_tokens < r.num_prompt_tokens)))
+    assert max(partial) == cap
 
 
 def test_decode_headroom_caps_prefill_while_decodes_run(path):
@@ -147,10 +144,10 @@ def test_never_an_empty_step_while_work_is_pending(path):
     eng = make_engine(path, size=4, token_budget=8, max_num_seqs=8, prefill_interval=3, decode_headroom=2)
     for i in range(4):
         eng.add_request(random_prompt(9 + i, seed=i), GREEDY)
-    while eng.has_unfinished_requests():
-        eng.step()
+    def step_scheduled_work(eng) -> None:
         assert eng.last_step is not None and eng.last_step.scheduled
-    run_to_completion(eng)
+
+    drive(eng, step_scheduled_work)
 
 
 @pytest.mark.parametrize("size,max_num_seqs,expected", [(16, 8, 16), (4, 8, 8), (8, 8, 8)])

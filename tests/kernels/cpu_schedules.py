@@ -1,4 +1,4 @@
-"""Run sequences through the attention op on a schedule of forwards, as an engine would (test helper).
+"""Run sequences through the attention op on a schedule of forwards, as an engine would (shared by the kernel tests).
 
 Each sequence has fixed inputs per position (q, k, v). A schedule is a list of forwards; a forward
 lists (sequence, number of new tokens) pairs, each continuing that sequence where it stopped. Blocks

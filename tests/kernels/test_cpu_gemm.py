@@ -72,7 +72,7 @@ def test_strided_rows_empty_input_and_bad_shapes():
 
 
 def test_out_buffer_is_rewritten_and_checked():
-    """out= (benchmarks/gemm_ab.py's shared buffer): the same bits as a fresh output, every element rewritten,
+    """out= (benchmarks/experiments/gemm_ab.py's shared buffer): the same bits as a fresh output, every element rewritten,
     and a buffer of the wrong shape, dtype or strides refused before the kernel runs."""
     w, x = torch.randn(40, 96), torch.randn(7, 96)
     packed = cpu_gemm.pack(w)

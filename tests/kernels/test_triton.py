@@ -285,7 +285,7 @@ print("COMPILED")
 """
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the compiled kernels run on the GPU in this session")
+@pytest.mark.skipif(DEVICE == "cuda", reason="the compiled kernels run on the GPU in this process")
 def test_kernels_compile_for_gpus():
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]

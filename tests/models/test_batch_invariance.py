@@ -1,4 +1,4 @@
-"""Batch invariance of the model's own ops (issue 22): with `model.set_deterministic(True)`, a row's hidden
+"""Batch invariance of the model's own ops: with `model.set_deterministic(True)`, a row's hidden
 state and logits are bitwise the same alone and among any other rows, at 1 and at 2 threads.
 
 The tracked row is a one-token sequence (its attention sees only itself, so the attention kernel, which

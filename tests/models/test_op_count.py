@@ -17,7 +17,7 @@ from tests.conftest import TINY_HF_MODELS
 from tests.models.ladle_driver import make_kv_caches
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-BUDGET = {"llama": 28, "qwen3": 34, "gemma3": 46}  # issue 11 targets: 25, 25, 35 (not yet reached)
+BUDGET = {"llama": 28, "qwen3": 34, "gemma3": 46}  # the aim: 25, 25, 35 (not yet reached)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

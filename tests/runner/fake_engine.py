@@ -1,7 +1,7 @@
 """A small stand-in for LLMEngine with the same API, for fast runner tests that need no model.
 
 Byte-level tokenizer, chunked prefill, one decode token per step, a fixed cost per step on the clock.
-Deterministic: the n-th output token of a request depends only on its prompt (and, for the issue-13
+Deterministic: the n-th output token of a request depends only on its prompt (and, for the n-samples
 fields, its sample index and seed). n samples: the prompt is prefilled once, then forked. Logprobs are
 made-up but deterministic functions of the token (`fake_logprob`); `structured.choice` makes the output
 one of the choices; a json_schema that is not a mapping (or JSON text of one) fails the request.

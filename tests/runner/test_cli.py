@@ -34,7 +34,7 @@ def test_default_config(tmp_path):
     p = ladle(f"hydra.run.dir={out}", "workload.limit=4", *FAST, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ladle summary" in p.stdout and "TTFT" in p.stdout and f"outputs in {out}" in p.stdout
-    # ladle's warnings are one clean line each, without Python's source line under them (issue 20.12)
+    # ladle's warnings are one clean line each, without Python's source line under them
     warned = [line for line in p.stderr.splitlines() if "RANDOM" in line]
     assert warned == [("ladle: warning: model weights are RANDOM (Qwen3ForCausalLM, 0.85M parameters, seed 0): "
                        "model.path is null. Outputs are meaningless; timings are real.")], p.stderr[-2000:]

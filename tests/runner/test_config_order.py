@@ -1,5 +1,5 @@
 """Config errors come before the model loads, and the tests prove the order: the model loader fails the
-test if it runs (`no_model_load`, with its positive control here). Issue 20, points 2 and 14."""
+test if it runs (`no_model_load`, with its positive control here)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzz the whole job (issue 20): generated JSONL, Parquet and OpenAI batch files with hostile strings, ids,
+"""Fuzz the whole job: generated JSONL, Parquet and OpenAI batch files with hostile strings, ids,
 schemas and sampling values, run in-process on the tiny model, each interrupted once and resumed.
 
 Every run ends as the CLI's exit 0 (run_job returns) or 2 (ConfigError), never 1 (any other exception);

@@ -1,4 +1,4 @@
-"""JSONL columns are checked over the lines, not the first line alone (issue 20, point 10).
+"""JSONL columns are checked over the lines, not the first line alone.
 
 A column is present when any line has it (a config error, exit 2, when none does: checked when the
 source opens, before the model loads); a line without a column has a null there: a null prompt or trace

@@ -1,4 +1,4 @@
-"""Per-row sampling columns, n samples, logprob columns and scoring (issue 13, runner side).
+"""Per-row sampling columns, n samples, logprob columns and scoring, as the runner reads and writes them.
 
 Most tests run on the stand-in engine (tests/runner/fake_engine.py), which honours the new
 SamplingParams fields deterministically. The end-to-end tests at the bottom run the real tiny model

@@ -198,7 +198,7 @@ def test_cli_opt_out(tmp_path):
     assert runtime == {"malloc": "system", "omp": {}, "startup_step": "off"}
 
 
-# -- review: ways the re-exec could break (tests/runner/test_startup.py) -------------------------------
+# -- ways the re-exec could break -----------------------------------------------------------------------
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()

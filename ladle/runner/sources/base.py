@@ -1,7 +1,7 @@
 """The source base: rows in source order, in batches, numbered and limited, a shard's share only.
 
 A kind (one module each) opens and checks its data in `__init__` (before any model loads), sets
-`num_rows` when it is cheap to know, and implements `read()`. The helpers here are for the kinds:
+`num_rows` when it is cheap to know, and implements `read()`. The functions here serve the kinds:
 column batches -> rows (`rows_from_columns`, `numbered`, `arrow_rows`) and finding files.
 """
 
@@ -76,7 +76,7 @@ class Source:
         """The rows in source order, in batches of about workload.batch_size (the kind's reader)."""
         raise NotImplementedError
 
-    # -- helpers for the kinds -------------------------------------------------------------------------
+    # -- for the kinds --------------------------------------------------------------------------------
     def check_columns(self, available: list[str], where: str) -> None:
         check_columns(self.workload, self.arrival_column, available, where)
 

@@ -1,12 +1,11 @@
-"""C++ text of the gated activation's AVX-512 loop, shared by the two CPU kernels that run it.
+// The gated activation's AVX-512 loop, shared by the two CPU kernels that run it: fused.cpp (the
+// activation kernel) and gemm.cpp (the down projection's GEMM with the activation in its row packing)
+// must give bitwise the same values, so both include this one text and its operations and their order
+// cannot drift apart. The includer declares `Fn16` (a 16-lane float function pointer, torch's SLEEF
+// exp or tanh) and includes <immintrin.h> first; the loop exists only in an AVX-512 build.
+#pragma once
 
-kernels/cpu_fused (the activation kernel) and kernels/cpu_gemm (the down projection's GEMM with the
-activation in its row packing) must give bitwise the same values: both include this one text, so the
-operations and their order cannot drift apart. It expects `Fn16` (a 16-lane float function pointer,
-torch's SLEEF exp or tanh) declared before it and, in the GEMM, an AVX-512 build.
-"""
-
-GATED_AVX512 = r"""
+#include <cstdint>
 // torch's kBeta (M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded to float) and kKappa.
 constexpr float kBeta = float(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
 constexpr float kKappa = 0.044715f;
@@ -35,4 +34,3 @@ inline void gated_avx512(const float* g, const float* u, float* o, int64_t n, in
   }
 }
 #endif
-"""

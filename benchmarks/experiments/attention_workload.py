@@ -1,4 +1,4 @@
-"""The issue-21 workload's attention, replayed through the cpu_paged kernel and a baseline revision's.
+"""vs_vllm.py's workload's attention, replayed through the cpu_paged kernel and a baseline revision's.
 
 The schedule is recorded once: the engine (chunked prefill, step budget 512, max_num_seqs 64, paged
 cache of block 16, prefix caching off) runs the workload's 32 prompts (benchmarks/vs_vllm.py's, seed 0,
@@ -11,9 +11,9 @@ chunk, in decode-only forwards, the total, and GFLOP/s of the prefill chunks' at
 
 Each layer's cache holds the blocks the schedule needs, scattered at random, not the engine's whole pool in
 allocation order: effects of the pool's size on the layout (the K and V planes' distance, engine/kv_cache.py,
-docs/benchmarks.md section 8f) do not show here.
+docs/design-notes.md) do not show here.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attention_workload.py --baseline REV [--threads 1] [--clock cpu]
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/attention_workload.py --baseline REV [--threads 1] [--clock cpu]
 """
 
 from __future__ import annotations

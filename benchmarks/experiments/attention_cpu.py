@@ -9,15 +9,15 @@ forward), the speedup of the medians, and a bound: decode against the bytes it m
 at the bandwidth measured here by a large `torch.sum` at the same thread count, prefill as GFLOP/s of
 its attention FLOPs (4 x visible query-key pairs x head dim x heads).
 
---baseline REV builds kernels/cpu_paged_source.py as of git revision REV (same compiler and flags) in
+--baseline REV builds kernels/csrc/paged_attention.cpp as of git revision REV (same compiler and flags) in
 place of the torch reference, and says whether both kernels gave the same bits (or, when the revisions'
 formulas differ, the largest absolute difference of their outputs). --workload is the shape
-of the issue-21 model (16 heads / 8 KV heads x 64) with its prefill chunks (512 queries at contexts 0,
+of vs_vllm.py's model (16 heads / 8 KV heads x 64) with its prefill chunks (512 queries at contexts 0,
 512, 1536) and a 32-sequence decode. --clock cpu times the calling thread's CPU time (1 thread only:
 less sensitive to other jobs on a shared machine than wall time).
 
-    .venv/bin/python benchmarks/attention_cpu.py [--quick] [--threads-list 1,2] [--heads 8 --kv-heads 2 --head-dim 64]
-    .venv/bin/python benchmarks/attention_cpu.py --workload --baseline HEAD~3 --threads-list 1 --clock cpu
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/attention_cpu.py [--quick] [--threads-list 1,2] [--heads 8 --kv-heads 2 --head-dim 64]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/attention_cpu.py --workload --baseline HEAD~3 --threads-list 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import benchutil as bu
 import torch
@@ -69,13 +71,14 @@ def bandwidth_gbs(repeats: int = 5) -> float:
 
 
 def baseline_kernel(rev: str):
-    """The kernel as of git revision `rev`, built with the default build's flags, and whether it takes
-    the cache's strides (kernels before 59eb95f read every cache as token-major blocks)."""
-    source = subprocess.run(["git", "show", f"{rev}:kernels/cpu_paged_source.py"], cwd=bu.REPO, check=True,
-                            capture_output=True, text=True).stdout
-    scope: dict = {}
-    exec(compile(source, f"{rev}:kernels/cpu_paged_source.py", "exec"), scope)  # noqa: S102 - our own file
-    return build_library(ARCH_FLAGS[0], source=scope["SOURCE"])[0], "kv_stride_block" in source
+    """The kernel as of git revision `rev` (its kernels/csrc), built with the default build's flags, and
+    whether it takes the cache's strides. Its Args must match today's mirror (checked when it loads)."""
+    folder = Path(tempfile.mkdtemp(prefix="ladle-baseline-"))
+    archive = subprocess.run(["git", "archive", rev, "ladle/kernels/csrc"], cwd=bu.REPO, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    source = folder / "ladle" / "kernels" / "csrc" / "paged_attention.cpp"
+    return build_library(ARCH_FLAGS[0], source=source)[0], "kv_stride_block" in source.read_text()
 
 
 def attention_fns(baseline) -> dict:
@@ -154,7 +157,7 @@ def main() -> None:
     p.add_argument("--chunk-contexts", default="0,2048,8192")
     p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")
     p.add_argument("--workload", action="store_true",
-                   help="the issue-21 shapes: 16/8 heads x 64, chunks of 512 at 0/512/1536, decode 32 x 1024")
+                   help="vs_vllm.py's model's shapes: 16/8 heads x 64, chunks of 512 at 0/512/1536, decode 32 x 1024")
     p.add_argument("--baseline", metavar="REV", help="compare with the kernel of this git revision, not torch")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     p.add_argument("--calls", type=int, default=0,

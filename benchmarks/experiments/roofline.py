@@ -30,7 +30,7 @@ target: attention's softmax and the gated activation's exp are work the FLOP cou
 CPU kernels: where kernels/cpu_gemm or kernels/cpu_paged is not available (no AVX-512, or switched off) it
 says so and stops.
 
-    .venv/bin/python benchmarks/roofline.py [--threads 1] [--peer-seconds 28.6]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/roofline.py [--threads 1] [--peer-seconds 28.6]
 """
 
 from __future__ import annotations
@@ -47,62 +47,20 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import vs_vllm
 
 TARGET = 1.2
 
-# Independent FMA chains in registers: enough to cover the FMA latency on every x86 core with two pipes.
-FMA_SOURCE = r"""
-#include <cstdint>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-constexpr int CHAINS = 12;
-extern "C" int64_t ladle_fma_flops_per_iter() {
-#if defined(__AVX512F__)
-  return int64_t(CHAINS) * 16 * 2;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return int64_t(CHAINS) * 8 * 2;
-#else
-  return 0;
-#endif
-}
-extern "C" float ladle_fma_loop(int64_t iters) {
-#if defined(__AVX512F__)
-  __m512 acc[CHAINS];
-  const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-  for (int j = 0; j < CHAINS; ++j) acc[j] = _mm512_set1_ps(float(j));
-  for (int64_t i = 0; i < iters; ++i)
-    for (int j = 0; j < CHAINS; ++j) acc[j] = _mm512_fmadd_ps(acc[j], b, c);
-  __m512 s = acc[0];
-  for (int j = 1; j < CHAINS; ++j) s = _mm512_add_ps(s, acc[j]);
-  return _mm512_reduce_add_ps(s);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[CHAINS];
-  const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-  for (int j = 0; j < CHAINS; ++j) acc[j] = _mm256_set1_ps(float(j));
-  for (int64_t i = 0; i < iters; ++i)
-    for (int j = 0; j < CHAINS; ++j) acc[j] = _mm256_fmadd_ps(acc[j], b, c);
-  float out[8], s = 0.0f;
-  for (int j = 1; j < CHAINS; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
-  _mm256_storeu_ps(out, acc[0]);
-  for (float v : out) s += v;
-  return s;
-#else
-  (void)iters;
-  return 0.0f;
-#endif
-}
-"""
+FMA_SOURCE = Path(__file__).resolve().parent / "fma_peak.cpp"  # FMA chains in registers
 
 
 def fma_peak_gflops(threads: int = 1, repeats: int = 5, cpus: set[int] | None = None) -> float:
     """The fp32 FMA peak of `threads` cores together (GFLOP/s: at 1 the thread's CPU clock, else wall time, the
     loop run by that many threads at once: ctypes releases the GIL), or 0.0 where there is no FMA unit to use
-    or the loop does not build. cpus: the CPUs each helper thread may run on (default: the caller's; a thread
+    or the loop does not build. cpus: the CPUs each extra thread may run on (default: the caller's; a thread
     inherits its creator's mask, which an OpenMP runtime told to bind has narrowed to one CPU)."""
     from ladle.kernels.cpu_build import ARCH_FLAGS, compile_cached
 
@@ -121,13 +79,13 @@ def fma_peak_gflops(threads: int = 1, repeats: int = 5, cpus: set[int] | None = 
     clock = time.thread_time if threads == 1 else time.perf_counter
     best = float("inf")
 
-    def helper() -> None:
+    def worker() -> None:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)
         lib.ladle_fma_loop(iters)
 
     for _ in range(repeats):
-        workers = [threading.Thread(target=helper) for _ in range(threads - 1)]
+        workers = [threading.Thread(target=worker) for _ in range(threads - 1)]
         t = clock()
         for w in workers:
             w.start()

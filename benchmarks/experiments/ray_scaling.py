@@ -14,8 +14,8 @@ Reported per configuration (medians over --repeats):
   arrival to last finish of engine time; the replicas run side by side, so the longest one);
 - ratio: 2 replicas over 1 replica, within each repeat, then the median.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/ray_scaling.py
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/ray_scaling.py --quick
+    OMP_NUM_THREADS=1 PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/ray_scaling.py
+    OMP_NUM_THREADS=1 PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/ray_scaling.py --quick
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ same step do not). One random-weight Qwen3-shaped model (fp32, CPU), greedy, `--
 `--max-tokens` each, chunk 512; the three ways alternate `--repeats` times (order rotating), a fresh
 engine each run, reporting prefill tokens (StepStats) and wall time.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/n_samples.py
+    OMP_NUM_THREADS=1 PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/n_samples.py
 """
 
 from __future__ import annotations

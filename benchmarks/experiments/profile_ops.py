@@ -13,10 +13,10 @@ gated form (kernels/cpu_gemm), a gated MLP's activation runs inside its down pro
 timed generate's wall time less every op's self time: Python, scheduling, sampling.
 
 `--source DIR` (repeatable, `label=DIR`) profiles the engine code of another checkout, e.g. the
-commit before a change (`git worktree add /tmp/before <commit>`); sources alternate within a thread
+revision before a change (`git worktree add /tmp/before <commit>`); sources alternate within a thread
 count so the machine's drift hits them alike.
 
-    .venv/bin/python benchmarks/profile_ops.py --threads 1,2 --source before=/tmp/before --source after=.
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/profile_ops.py --threads 1,2 --source before=/tmp/before --source after=.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOP = 12
 
 
@@ -178,7 +178,7 @@ def main() -> None:
     text = table(results, labels, threads)
     print(text)
     if args.write_docs:
-        command = " ".join(["benchmarks/profile_ops.py", "--threads", args.threads, "--repeats", str(args.repeats),
+        command = " ".join(["benchmarks/experiments/profile_ops.py", "--threads", args.threads, "--repeats", str(args.repeats),
                             *[f"--source {label}=..." for label in labels]])
         body = (f"Command: `.venv/bin/python {command}` (sources: {', '.join(f'{lb} = {src}' for lb, src in sources)}).\n"
                 f"Self seconds by op of the timed generate (the vs_vllm workload, eager, fp32; the fastest of "

@@ -25,8 +25,8 @@ timed at that row count. Reported:
   step's time against the median step, graphs compiled during the run, and whether the greedy outputs
   of every configuration are identical.
 
-    .venv/bin/python benchmarks/forward_efficiency.py --quick
-    .venv/bin/python benchmarks/forward_efficiency.py --write-docs
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/forward_efficiency.py --quick
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/forward_efficiency.py --write-docs
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def run_one(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 layers, 8 short requests")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the report to benchmarks/results/")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--median-prompt", type=int, default=64)
     ap.add_argument("--sigma", type=float, default=1.0)
@@ -256,7 +256,7 @@ def main() -> None:
     if args.write_docs:
         flags = " --quick" if args.quick else ""
         body = "\n".join([
-            (f"Command: `.venv/bin/python benchmarks/forward_efficiency.py{flags} --write-docs` (each configuration "
+            (f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/forward_efficiency.py{flags} --write-docs` (each configuration "
             "in its own process; the GEMM reference is timed in the same process, at the same thread count, "
             "right after each step of the run)."),
             "",

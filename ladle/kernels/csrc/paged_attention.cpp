@@ -1,11 +1,7 @@
-"""C++ source of the CPU paged attention kernel (built at first use by kernels/cpu_build.py).
+// The CPU paged attention kernel, built at first use by kernels/cpu_build.py. Its contract (argument
+// struct, tile rule, determinism) is described in kernels/cpu_paged.py; `Args` is mirrored by
+// kernels/cpu_structs.Args (checked at load against ladle_paged_layout()).
 
-Kept as a Python string so an installed package always carries it (no package-data to declare).
-The contract (argument struct, tile rule, determinism) is described in kernels/cpu_paged.py; the
-`Args` struct here and `_Args` there must list the same fields in the same order.
-"""
-
-SOURCE = r"""
 // ladle CPU paged attention: reads the paged KV cache in place, tiles of TILE keys at fixed absolute
 // positions, online softmax in fp32 over the tiles in position order. One work item (sequence, KV
 // head, block of query positions) is computed by one thread, and every query row's arithmetic is a
@@ -22,6 +18,8 @@ SOURCE = r"""
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "layout.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -82,7 +80,7 @@ static_assert(ROWWISE_MAX <= ROWWISE_MAX_ROWS, "LADLE_ROWWISE_MAX must be at mos
 #define LADLE_PV_ROWS 6
 #endif
 constexpr int PV_ROWS = LADLE_PV_ROWS;  // query rows per PV micro-kernel (at most 6)
-constexpr int PV_COLS = 4;          // 16-lane output chunks per PV micro-kernel
+constexpr int PV_COLS = 4;              // 16-lane output chunks per PV micro-kernel
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -118,8 +116,8 @@ inline V vcopysign(V mag, V sgn) {
 }
 // Tree: lanes l + l+8, then l + l+4, l + l+2, l + l+1 (the generic version below uses the same tree).
 inline float vhsum(V a) {
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.x),
-                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.x), 1)));
+  __m256 s8 =
+      _mm256_add_ps(_mm512_castps512_ps256(a.x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.x), 1)));
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
@@ -302,12 +300,17 @@ inline float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #else
 inline float fma1(float a, float b, float c) { return a * b + c; }  // built with -ffp-contract=off
 #endif
-#define LADLE_LANES(expr) V r; for (int l = 0; l < 16; ++l) r.x[l] = (expr); return r
+#define LADLE_LANES(expr)                       \
+  V r;                                          \
+  for (int l = 0; l < 16; ++l) r.x[l] = (expr); \
+  return r
 inline V vzero() { LADLE_LANES(0.0f); }
 inline V vset(float a) { LADLE_LANES(a); }
 inline V vload(const float* p) { LADLE_LANES(p[l]); }
 inline V vload_n(const float* p, int n) { LADLE_LANES(l < n ? p[l] : 0.0f); }
-inline void vstore(float* p, V a) { for (int l = 0; l < 16; ++l) p[l] = a.x[l]; }
+inline void vstore(float* p, V a) {
+  for (int l = 0; l < 16; ++l) p[l] = a.x[l];
+}
 inline V operator+(V a, V b) { LADLE_LANES(a.x[l] + b.x[l]); }
 inline V operator-(V a, V b) { LADLE_LANES(a.x[l] - b.x[l]); }
 inline V operator*(V a, V b) { LADLE_LANES(a.x[l] * b.x[l]); }
@@ -415,7 +418,9 @@ inline V load16(const T* p, int n) {
   return vload(tmp);
 }
 template <>
-inline V load16<float>(const float* p, int n) { return n >= 16 ? vload(p) : vload_n(p, n); }
+inline V load16<float>(const float* p, int n) {
+  return n >= 16 ? vload(p) : vload_n(p, n);
+}
 
 // Cache lines of the next tile, requested a few at a time from inside the compute loops so that
 // reading one tile overlaps the arithmetic of the previous one (requesting them all at once fills the
@@ -426,21 +431,20 @@ inline V load16<float>(const float* p, int n) { return n >= 16 ? vload(p) : vloa
 // A decode streams its K/V from DRAM and reads each line once; requests into L1 likely hold the core's
 // few L1 miss slots until the lines arrive, so the loads of the arithmetic queue behind them. Measured on
 // a Zen 4 EPYC (1 thread, head-major cache on scattered blocks, 16 / 8 heads x 64): 32 decodes at context
-// 400 1.4-1.7x, 64 at 700 1.5-1.8x faster into L2; prefetchnta no faster than L1. The blocked path reads each key from L1
-// many times and measured as fast or 1-5% faster into L1.
+// 400 1.4-1.7x, 64 at 700 1.5-1.8x faster into L2; prefetchnta no faster than L1. The blocked path reads each key from
+// L1 many times and measured as fast or 1-5% faster into L1.
 struct Prefetcher {
   const char* k = nullptr;  // K plane + head offset, in bytes
   const char* v = nullptr;
   const int64_t* off = nullptr;  // element offsets of the keys' rows
   int64_t es = 4;
   int j = 0, end = 0, row_bytes = 0;  // next key to request, end of the tile's keys
-  int x = 0, unit = 8;  // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
-  bool per_head = true;  // rows of one head: issue(n) is n keys (a cheaper loop)
-  bool to_l2 = false;    // request into L2 (row-wise items) rather than L1; set per item
+  int x = 0, unit = 8;                // next byte of key j's rows; lines per issue(1): one head's K and V row of a key
+  bool per_head = true;               // rows of one head: issue(n) is n keys (a cheaper loop)
+  bool to_l2 = false;                 // request into L2 (row-wise items) rather than L1; set per item
   void clear() { j = end = 0; }
   // Rows of `bytes` (one head's, or all heads' of a key: a whole cache row) of the keys [ks, ke).
-  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks,
-            int ke) {
+  void plan(const char* kc, const char* vc, const int64_t* o, int64_t elem, int bytes, int head_bytes, int ks, int ke) {
     k = kc;
     v = vc;
     off = o;
@@ -454,8 +458,10 @@ struct Prefetcher {
   }
   // The next n units of lines: n keys' rows of one head, a fraction of a key's whole rows.
   inline void issue(int n) {
-    if (to_l2) issue_to<2>(n);
-    else issue_to<3>(n);
+    if (to_l2)
+      issue_to<2>(n);
+    else
+      issue_to<3>(n);
   }
   // __builtin_prefetch's locality: 3 = prefetcht0 (L1), 2 = prefetcht1 (L2).
   template <int LOCALITY>
@@ -495,21 +501,21 @@ struct Prefetcher {
 struct Args {
   const void* q;  // [T, H, D], last dim contiguous
   int64_t q_stride_t, q_stride_h;
-  float* out;  // [T, H, D] contiguous fp32
+  float* out;           // [T, H, D] contiguous fp32
   const void* k_cache;  // a plane: block b, token i, head h at element b * kv_stride_block + i * kv_stride_token +
   const void* v_cache;  // h * kv_stride_head, head_dim contiguous (token-major NHD or head-major HND blocks)
-  const void* k_new;  // [T, Hkv, D] written at slot_mapping before attending; null: already written
+  const void* k_new;    // [T, Hkv, D] written at slot_mapping before attending; null: already written
   const void* v_new;
   int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h;
-  const int64_t* slot_mapping;  // [T]
+  const int64_t* slot_mapping;     // [T]
   const int32_t* query_start_loc;  // [B + 1]
-  const int32_t* seq_lens;  // [B]
-  const int32_t* block_tables;  // [B, bt_stride]
+  const int32_t* seq_lens;         // [B]
+  const int32_t* block_tables;     // [B, bt_stride]
   int64_t bt_stride;
   int32_t num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size;
   int32_t q_dtype, kv_dtype;  // 0 float32, 1 bfloat16, 2 float16
-  int32_t window;  // 0: none
-  float scale, softcap;  // softcap 0: none
+  int32_t window;             // 0: none
+  float scale, softcap;       // softcap 0: none
   int32_t num_threads, positions_per_item;
   // Cache strides in elements; last, so that a library built before them (a benchmark's baseline) still
   // finds every other field where it expects it.
@@ -540,9 +546,13 @@ struct Aligned {
   T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
   template <class U>
-  bool operator==(const Aligned<U>&) const { return true; }
+  bool operator==(const Aligned<U>&) const {
+    return true;
+  }
   template <class U>
-  bool operator!=(const Aligned<U>&) const { return false; }
+  bool operator!=(const Aligned<U>&) const {
+    return false;
+  }
 };
 using Floats = std::vector<float, Aligned<float>>;
 
@@ -553,7 +563,9 @@ struct Scratch {
   Prefetcher pf;
   // rows: the item's rows (padded to whole blocks on the blocked path).
   void ensure(int rows, int dp) {
-    auto grow = [](auto& v, size_t n) { if (v.size() < n) v.resize(n); };
+    auto grow = [](auto& v, size_t n) {
+      if (v.size() < n) v.resize(n);
+    };
     grow(qp, size_t(rows) * dp);
     grow(qt, size_t(rows) * dp);
     grow(kc, size_t(TILE) * dp);
@@ -632,8 +644,8 @@ inline void qk_rowwise(const float* qp, int dp, const KT* const* krow, int ks, i
 }
 
 template <class KT, int N = ROWWISE_MAX_ROWS>
-inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len,
-                         float* s, Prefetcher& pf) {
+inline void qk_rowwise_n(const float* qp, int dp, int rows, const KT* const* krow, int ks, int ke, int d_len, float* s,
+                         Prefetcher& pf) {
   if constexpr (N >= 1) {
     if (rows == N) return qk_rowwise<N, KT>(qp, dp, krow, ks, ke, d_len, s, pf);
     return qk_rowwise_n<KT, N - 1>(qp, dp, rows, krow, ks, ke, d_len, s, pf);
@@ -674,9 +686,12 @@ inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo,
     float* out = st + 16 * v;
     const int r = std::min(RV, nv - v);
     for (int j = jlo; j < jhi; j += KJ, pf.issue(KJ)) {
-      if (RV >= 3 && r == 3) qk_block_kernel<3>(q, krow + j, d_len, out + size_t(j) * BR);
-      else if (RV >= 2 && r == 2) qk_block_kernel<2>(q, krow + j, d_len, out + size_t(j) * BR);
-      else qk_block_kernel<1>(q, krow + j, d_len, out + size_t(j) * BR);
+      if (RV >= 3 && r == 3)
+        qk_block_kernel<3>(q, krow + j, d_len, out + size_t(j) * BR);
+      else if (RV >= 2 && r == 2)
+        qk_block_kernel<2>(q, krow + j, d_len, out + size_t(j) * BR);
+      else
+        qk_block_kernel<1>(q, krow + j, d_len, out + size_t(j) * BR);
     }
   }
 }
@@ -688,8 +703,8 @@ inline void qk_block(const float* qt, int nv, const float* const* krow, int jlo,
 // row r only takes the keys [lo[r], hi[r]) (a masked fused multiply-add leaves the others untouched),
 // so rows that see different keys of a tile still share the value loads.
 template <bool PT, int R, int C, bool TAIL, bool MASKED>
-inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
-                    const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d0, int tail) {
+inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo, const int32_t* hi,
+                    const float* const* vrow, int jlo, int jhi, int d0, int tail) {
   V a[R][C];
   for (int r = 0; r < R; ++r) {
     const V al = vset(alpha[r]);
@@ -732,8 +747,8 @@ inline void pv_rows(float* acc, int dp, const float* p, const float* alpha, cons
 }
 
 template <bool PT, int R, bool MASKED>
-inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
-                       const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d_len) {
+inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo, const int32_t* hi,
+                       const float* const* vrow, int jlo, int jhi, int d_len) {
   const int full = d_len / 16, tail = d_len % 16;
   int c = 0;
   for (; c + PV_COLS <= full; c += PV_COLS)
@@ -744,18 +759,24 @@ inline void pv_group_r(float* acc, int dp, const float* p, const float* alpha, c
 
 // `rows` (1..PV_ROWS) rows against the keys [jlo, jhi); masked by lo/hi when `masked`.
 template <bool PT>
-inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo,
-                     const int32_t* hi, const float* const* vrow, int jlo, int jhi, int d_len, int rows, bool masked) {
-#define LADLE_PV(R)                                                                               \
+inline void pv_group(float* acc, int dp, const float* p, const float* alpha, const int32_t* lo, const int32_t* hi,
+                     const float* const* vrow, int jlo, int jhi, int d_len, int rows, bool masked) {
+#define LADLE_PV(R)                                                                         \
   return masked ? pv_group_r<PT, R, true>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, d_len) \
                 : pv_group_r<PT, R, false>(acc, dp, p, alpha, lo, hi, vrow, jlo, jhi, d_len)
   switch (rows) {
-    case 1: LADLE_PV(1);
-    case 2: LADLE_PV(2);
-    case 3: LADLE_PV(3);
-    case 4: LADLE_PV(4);
-    case 5: LADLE_PV(5);
-    default: LADLE_PV(6);
+    case 1:
+      LADLE_PV(1);
+    case 2:
+      LADLE_PV(2);
+    case 3:
+      LADLE_PV(3);
+    case 4:
+      LADLE_PV(4);
+    case 5:
+      LADLE_PV(5);
+    default:
+      LADLE_PV(6);
   }
 #undef LADLE_PV
 }
@@ -1012,7 +1033,8 @@ struct Kernel {
         float* dst = s.qt.data() + size_t(pr / BR) * BR * Dp + pr % BR;
         for (int d0 = 0; d0 < Dp; d0 += 16) {
           V rows[16];
-          for (int i = 0; i < 16; ++i) rows[i] = off[i] < 0 ? vzero() : load_q16(off[i] + d0, std::min(16, D - d0)) * qmul;
+          for (int i = 0; i < 16; ++i)
+            rows[i] = off[i] < 0 ? vzero() : load_q16(off[i] + d0, std::min(16, D - d0)) * qmul;
           transpose16(rows);
           for (int d = 0; d < 16; ++d) vstore(dst + size_t(d0 + d) * BR, rows[d]);
         }
@@ -1032,8 +1054,8 @@ struct Kernel {
   // [ns, ne) at next_off, none past the last tile): Walk::head, the next tile's rows of head h;
   // Walk::heads, the next head's rows of this tile (after the last head, the next tile's head 0);
   // Walk::rows, none (run() planned the next tile's whole rows).
-  void plan_head_prefetch(const int64_t* off, const int64_t* next_off, int ks, int ke, int ns, int ne, int h,
-                          Walk walk, Scratch& s) const {
+  void plan_head_prefetch(const int64_t* off, const int64_t* next_off, int ks, int ke, int ns, int ne, int h, Walk walk,
+                          Scratch& s) const {
     if (walk == Walk::rows) return;
     if (walk == Walk::heads) {
       if (h + 1 < a.num_kv_heads) return plan_prefetch(off, ks, ke, h + 1, s.pf);
@@ -1073,8 +1095,8 @@ struct Kernel {
       }
       int g = 1;
       while (g < PV_ROWS && r + g < r0 + n && s.jlo[r + g] == s.jlo[r] && s.jhi[r + g] == s.jhi[r]) ++g;
-      pv_group<false>(s.acc.data() + size_t(r) * Dp, Dp, s.p.data() + size_t(r) * TILE, s.alpha.data() + r,
-               nullptr, nullptr, s.vrow.data(), s.jlo[r], s.jhi[r], D, g, false);
+      pv_group<false>(s.acc.data() + size_t(r) * Dp, Dp, s.p.data() + size_t(r) * TILE, s.alpha.data() + r, nullptr,
+                      nullptr, s.vrow.data(), s.jlo[r], s.jhi[r], D, g, false);
       r += g;
     }
     if (walk != Walk::rows || h == a.num_kv_heads - 1) s.pf.flush();
@@ -1114,7 +1136,7 @@ struct Kernel {
         }
         if (glo >= ghi) continue;
         pv_group<true>(s.acc.data() + size_t(pr + g) * Dp, Dp, s.st.data() + g, s.alpha.data() + pr + g, lo, hi,
-                 s.vrow.data(), glo, ghi, D, rows, !uniform);
+                       s.vrow.data(), glo, ghi, D, rows, !uniform);
       }
     }
     if (walk != Walk::rows || h == a.num_kv_heads - 1) s.pf.flush();
@@ -1133,8 +1155,10 @@ struct Kernel {
     const int nqp = blocked ? (nqg + BR - 1) / BR * BR : nqg;
     s.ensure(heads * nqp, Dp);
     const int first = ctx + it.i0, last = ctx + it.i1 - 1;  // absolute positions of the item's queries
-    if (blocked) load_qt(it, qs, nqg, nqp, first, s);
-    else load_q(it, qs, nqg, heads * nqg, s);
+    if (blocked)
+      load_qt(it, qs, nqg, nqp, first, s);
+    else
+      load_q(it, qs, nqg, heads * nqg, s);
     const int lo = a.window > 0 ? std::max(0, first - a.window + 1) : 0;
     const int32_t* bt = a.block_tables + int64_t(it.b) * a.bt_stride;
     int64_t off[2][TILE];
@@ -1151,11 +1175,15 @@ struct Kernel {
         std::tie(ns, ne) = keys(t0 + TILE);
         tile_offsets(bt, t0 + TILE, ns, ne, off[cur ^ 1]);
       }
-      if (walk == Walk::rows && ns < ne) plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
-      else if (walk == Walk::rows) s.pf.clear();
+      if (walk == Walk::rows && ns < ne)
+        plan_prefetch_rows(off[cur ^ 1], ns, ne, s.pf);
+      else if (walk == Walk::rows)
+        s.pf.clear();
       for (int h = it.h0; h < it.h1; ++h) {
-        if (blocked) tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, walk, s);
-        else tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, walk, s);
+        if (blocked)
+          tile_blocked(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqp, nqg, walk, s);
+        else
+          tile_head(off[cur], off[cur ^ 1], ns, ne, h, t0, ks, ke, first, (h - it.h0) * nqg, nqg, walk, s);
       }
     }
     for (int hi = 0; hi < heads; ++hi)
@@ -1237,7 +1265,8 @@ std::vector<Item> make_items(const Args& a) {
       const int i1 = std::min(ql, i0 + per);
       const int lo = a.window > 0 ? std::max(0, ctx + i0 - a.window + 1) : 0;
       const int64_t cost = int64_t(i1 - i0 + 4) * (ctx + i1 - lo + TILE) * heads;
-      for (int h = 0; h < a.num_kv_heads; h += heads) items.push_back({b, h, std::min(h + heads, a.num_kv_heads), i0, i1, cost});
+      for (int h = 0; h < a.num_kv_heads; h += heads)
+        items.push_back({b, h, std::min(h + heads, a.num_kv_heads), i0, i1, cost});
     }
   }
   // Longest first, so the last item a thread picks up is a short one (the result does not depend on
@@ -1286,11 +1315,56 @@ int ladle_paged_attention(const Args* args) {
   if (a.q_dtype < 0 || a.q_dtype > 2 || a.kv_dtype < 0 || a.kv_dtype > 2) return 3;
   if (a.k_new != nullptr) write_kv(a);
   const std::vector<Item> items = make_items(a);
-  if (a.kv_dtype == 0) run_items<float>(a, items);
-  else if (a.kv_dtype == 1) run_items<BF16>(a, items);
-  else run_items<F16>(a, items);
+  if (a.kv_dtype == 0)
+    run_items<float>(a, items);
+  else if (a.kv_dtype == 1)
+    run_items<BF16>(a, items);
+  else
+    run_items<F16>(a, items);
   return 0;
 }
 
+// Args's layout, checked against its ctypes mirror (kernels/cpu_structs.py) at load.
+const char* ladle_paged_layout() {
+  static const std::string text = [] {
+    std::string out;
+    LADLE_SIZE(Args);
+    LADLE_FIELD(Args, q);
+    LADLE_FIELD(Args, q_stride_t);
+    LADLE_FIELD(Args, q_stride_h);
+    LADLE_FIELD(Args, out);
+    LADLE_FIELD(Args, k_cache);
+    LADLE_FIELD(Args, v_cache);
+    LADLE_FIELD(Args, k_new);
+    LADLE_FIELD(Args, v_new);
+    LADLE_FIELD(Args, k_stride_t);
+    LADLE_FIELD(Args, k_stride_h);
+    LADLE_FIELD(Args, v_stride_t);
+    LADLE_FIELD(Args, v_stride_h);
+    LADLE_FIELD(Args, slot_mapping);
+    LADLE_FIELD(Args, query_start_loc);
+    LADLE_FIELD(Args, seq_lens);
+    LADLE_FIELD(Args, block_tables);
+    LADLE_FIELD(Args, bt_stride);
+    LADLE_FIELD(Args, num_seqs);
+    LADLE_FIELD(Args, num_tokens);
+    LADLE_FIELD(Args, num_heads);
+    LADLE_FIELD(Args, num_kv_heads);
+    LADLE_FIELD(Args, head_dim);
+    LADLE_FIELD(Args, block_size);
+    LADLE_FIELD(Args, q_dtype);
+    LADLE_FIELD(Args, kv_dtype);
+    LADLE_FIELD(Args, window);
+    LADLE_FIELD(Args, scale);
+    LADLE_FIELD(Args, softcap);
+    LADLE_FIELD(Args, num_threads);
+    LADLE_FIELD(Args, positions_per_item);
+    LADLE_FIELD(Args, kv_stride_block);
+    LADLE_FIELD(Args, kv_stride_token);
+    LADLE_FIELD(Args, kv_stride_head);
+    return out;
+  }();
+  return text.c_str();
+}
+
 }  // extern "C"
-"""

@@ -1,4 +1,6 @@
-"""Adversarial review of the runner (issues 12 and 13): each test here failed before its fix."""
+"""A row's values as the job reads them: a bad value is that row's error, naming its column (or, set for the
+whole job, a config error before the model loads); usable column types parse; resume reruns a repeated id's
+row and a sample that failed after the fork. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 

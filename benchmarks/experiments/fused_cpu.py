@@ -1,6 +1,6 @@
 """The fused CPU elementwise kernels (kernels/cpu_fused.py) against the torch ops they replace, alternated.
 
-Model: issue 21's random Qwen3 (8 layers, hidden 1024, intermediate 3072, 16 heads / 8 KV heads x 64,
+Model: vs_vllm.py's random Qwen3 (8 layers, hidden 1024, intermediate 3072, 16 heads / 8 KV heads x 64,
 qk-norm, vocab 32,000), fp32. Per op, on one decoder layer's own modules, the same call with the fused
 path switched on and off (cpu_fused.set_enabled), order rotating every repeat, median ms per call:
 - residual add + RMSNorm [rows, 1024] (RMSNorm.add_and_norm; twice per layer);
@@ -10,7 +10,7 @@ path switched on and off (cpu_fused.set_enabled), order rotating every repeat, m
 then one layer's sum of them, and a whole forward of a mixed step (one prefill chunk + 32 decodes,
 `rows` tokens in all) with the fused path on and off, greedy tokens of its last rows compared.
 
-    .venv/bin/python benchmarks/fused_cpu.py [--rows-list 512,32] [--threads-list 1,2] [--repeats 7] [--write-docs]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/fused_cpu.py [--rows-list 512,32] [--threads-list 1,2] [--repeats 7] [--write-docs]
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def measure_forward(model, threads: int, rows: int, repeats: int, gen: torch.Gen
 
 def docs_body(args, info: dict, ops_md: str, fwd_md: str) -> str:
     return (
-        f"`.venv/bin/python benchmarks/fused_cpu.py --rows-list {args.rows_list} --threads-list "
-        f"{args.threads_list} --repeats {args.repeats}`: issue 21's random Qwen3 (8 layers, hidden 1024, "
+        f"`PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/fused_cpu.py --rows-list {args.rows_list} --threads-list "
+        f"{args.threads_list} --repeats {args.repeats}`: vs_vllm.py's random Qwen3 (8 layers, hidden 1024, "
         f"intermediate 3072, 16 heads / 8 KV heads x 64, qk-norm, vocab 32,000), fp32, torch "
         f"{torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}). Each op is one "
         f"decoder layer's own module called with the fused path on and off (kernels/cpu_fused.py; "

@@ -1,6 +1,6 @@
 """CPU linear layers: which GEMM, how fast, and does a row's result depend on the batch?
 
-Three parts (issue 21: speed; issue 22: batch invariance), fp32, torch threads fixed per measurement:
+Three parts (speed, and batch invariance), fp32, torch threads fixed per measurement:
 
 - peak: a 4096^3 matmul through MKL (torch.mm) and through oneDNN on a packed weight, the practical
   peak every GFLOP/s below is read against.
@@ -17,7 +17,7 @@ Three parts (issue 21: speed; issue 22: batch invariance), fp32, torch threads f
   random rows for every M in a range; each M's output for that row is compared bitwise with the others.
   Results that are bitwise equal share a class letter (across thread counts too).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/linear_cpu.py [--quick] [--parts peak,speed,forward,invariance]
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/linear_cpu.py [--quick] [--parts peak,speed,forward,invariance]
         [--out FILE]
 """
 

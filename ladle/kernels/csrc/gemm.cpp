@@ -1,12 +1,5 @@
-"""C++ source of the CPU float32 GEMM (built at first use by kernels/cpu_gemm.py).
-
-Kept as a Python string so an installed package always carries it. The numerical contract (the same
-K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
-"""
-
-from ladle.kernels.cpu_gated_source import GATED_AVX512
-
-SOURCE = r"""
+// The CPU float32 GEMM, built at first use by kernels/cpu_gemm.py. Its numerical contract (the same
+// K-blocked chains as oneDNN's, so the same bits) is described in kernels/cpu_gemm.py.
 // ladle CPU GEMM, float32, AVX-512: out[M][N] = x[M][K] @ W[N][K]^T, W packed once into column
 // groups of 32 ([group][k][32]: one k step of a group is two consecutive cache lines). Every output is
 // one fused multiply-add chain per K block of KB, in increasing k from +0, the blocks' partial sums
@@ -44,7 +37,7 @@ constexpr int GW = 32;  // columns per group: two 16-lane vectors
 constexpr int MR = 12;  // rows per micro-kernel: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
 // Rows packed at a time, at most: a 512-row chunk is one slab, one pass over the weight (at 240 rows
 // it was 240 + 240 + 32, three passes, the last for 32 rows; one pass: the 166M model's run 1-2%
-// faster end to end, docs/benchmarks.md 5c). Larger M is split into equal slabs.
+// faster end to end, docs/design-notes.md). Larger M is split into equal slabs.
 constexpr int SLAB = 43 * MR;
 
 int64_t groups_of(int n) { return (int64_t(n) + GW - 1) / GW; }
@@ -92,6 +85,7 @@ __attribute__((always_inline)) inline void micro(const float* xp, const float* p
 __attribute__((always_inline)) inline void micro_rows(int r, const float* xp, const float* p, int k0, int k1,
                                                       float* out, int64_t ldo, bool first, int cols, bool pf) {
   switch (r) {
+    // clang-format off: one case per row count, as a table
 #define LADLE_ROWS(R)                                                        \
   case R:                                                                    \
     return pf ? micro<R, true>(xp, p, k0, k1, out, ldo, first, cols)        \
@@ -99,6 +93,7 @@ __attribute__((always_inline)) inline void micro_rows(int r, const float* xp, co
     LADLE_ROWS(1) LADLE_ROWS(2) LADLE_ROWS(3) LADLE_ROWS(4) LADLE_ROWS(5) LADLE_ROWS(6)
     LADLE_ROWS(7) LADLE_ROWS(8) LADLE_ROWS(9) LADLE_ROWS(10) LADLE_ROWS(11) default: LADLE_ROWS(12)
 #undef LADLE_ROWS
+    // clang-format on
   }
 }
 
@@ -145,7 +140,8 @@ void pack_rows(const float* x, int64_t ldx, int M, int K, int c, float* xb) {
 using Fn16 = __m512 (*)(__m512);
 Fn16 g_exp16 = nullptr, g_tanh16 = nullptr;
 constexpr int KP = 256;
-""" + GATED_AVX512 + r"""
+#include "gated_avx512.h"
+
 void gated_piece(const float* g, const float* u, float* o, int n, int act) {
   gated_avx512(g, u, o, n, act, act == 0 ? g_exp16 : g_tanh16);
 }
@@ -172,8 +168,8 @@ void group(const float* xb, const float* p, float* out, int64_t ldo, int M, int 
   for (int k0 = 0; k0 < K; k0 += kb) {
     const int k1 = std::min(K, k0 + kb);
     for (int m0 = 0; m0 < M; m0 += MR)
-      micro_rows(std::min(MR, M - m0), xb + int64_t(m0) * K, pg, k0, k1, out + m0 * ldo + g * GW, ldo, k0 == 0,
-                 cols, m0 == 0);
+      micro_rows(std::min(MR, M - m0), xb + int64_t(m0) * K, pg, k0, k1, out + m0 * ldo + g * GW, ldo, k0 == 0, cols,
+                 m0 == 0);
   }
 }
 #endif
@@ -203,8 +199,8 @@ struct alignas(64) Share {
 
 #if defined(__AVX512F__)
 // Thread t of nt: its own share of the groups first, then the back groups of the others'.
-void groups_shared(Share* shares, int t, int nt, const float* xb, const float* p, float* out, int64_t ldo, int M,
-                   int N, int K, int kb) {
+void groups_shared(Share* shares, int t, int nt, const float* xb, const float* p, float* out, int64_t ldo, int M, int N,
+                   int K, int kb) {
   for (int64_t g = shares[t].take(true); g >= 0; g = shares[t].take(true)) group(xb, p, out, ldo, M, N, K, kb, g);
   for (;;) {
     int victim = -1;
@@ -287,7 +283,16 @@ static int run(const float* x, int64_t ldx, const float* p, float* out, int64_t 
   }
   return 0;
 #else
-  (void)x; (void)ldx; (void)p; (void)out; (void)ldo; (void)m; (void)n; (void)k; (void)kb; (void)threads;
+  (void)x;
+  (void)ldx;
+  (void)p;
+  (void)out;
+  (void)ldo;
+  (void)m;
+  (void)n;
+  (void)k;
+  (void)kb;
+  (void)threads;
   (void)act;
   return 2;  // no AVX-512: the caller keeps oneDNN
 #endif
@@ -300,8 +305,8 @@ int ladle_gemm(const float* x, int64_t ldx, const float* p, float* out, int64_t 
 
 // out [M][N] = (act(x[:, :K]) * x[:, K:2K]) @ W^T for x [M][2K] (gate | up, rows ldx apart); act 0 SiLU,
 // 1 GELU-tanh, computed as kernels/cpu_fused's gated activation computes them (needs ladle_gemm_set_math).
-int ladle_gemm_gated(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k,
-                     int kb, int threads, int act) {
+int ladle_gemm_gated(const float* x, int64_t ldx, const float* p, float* out, int64_t ldo, int m, int n, int k, int kb,
+                     int threads, int act) {
   if (act < 0) return 1;
   return run(x, ldx, p, out, ldo, m, n, k, kb, threads, act);
 }
@@ -313,10 +318,10 @@ int ladle_gemm_set_math(void* exp16, void* tanh16) {
   g_tanh16 = reinterpret_cast<Fn16>(tanh16);
   return g_exp16 != nullptr && g_tanh16 != nullptr;
 #else
-  (void)exp16; (void)tanh16;
+  (void)exp16;
+  (void)tanh16;
   return 0;
 #endif
 }
 
 }  // extern "C"
-"""

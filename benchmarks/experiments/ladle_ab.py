@@ -10,7 +10,7 @@ process; on a shared machine the CPU clock is the steadier of the two at 1 threa
 per-repeat ratios against the first variant, and whether every variant produced the first one's tokens in
 every repeat.
 
-    .venv/bin/python benchmarks/ladle_ab.py --threads 1,2 --repeats 4 \\
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/ladle_ab.py --threads 1,2 --repeats 4 \\
         --variant off=LADLE_GEMM_GATED=0 --variant on=LADLE_GEMM_GATED=1
 """
 
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import vs_vllm
 

@@ -6,7 +6,7 @@ is reported per phase (StepStats.phase_times: schedule, prepare, forward, sample
 A step whose cost grows with the context (rather than with the batch) shows as a larger total at the
 longer context: the forward's attention does grow with context, so the table gives the forward apart.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_overhead.py
+    OMP_NUM_THREADS=1 PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/host_overhead.py
 """
 
 from __future__ import annotations

@@ -9,13 +9,12 @@ the same calls, alternated within every repeat; 1 thread on the thread's CPU clo
 Reports GFLOP/s, the median of the per-repeat speed ratios (this tree / the other) and whether the outputs
 are bitwise equal.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gemm_ab.py --before /tmp/before --threads 1,2 --rows 32,516
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/gemm_ab.py --before /tmp/before --threads 1,2 --rows 32,516
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from pathlib import Path
@@ -31,11 +30,9 @@ SHAPES = [("qkv", 2048, 1024, False), ("o", 1024, 1024, False), ("gate_up", 6144
 
 
 def other_library(checkout: Path):
-    """The other checkout's kernels/cpu_gemm_source.py, built under its own name and given the same math."""
-    spec = importlib.util.spec_from_file_location("gemm_ab_before", checkout / "ladle" / "kernels" / "cpu_gemm_source.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    lib, error = build_first(module.SOURCE, "libladle_gemm_ab_before", cpu_gemm._open)
+    """The other checkout's kernels/csrc/gemm.cpp, built under its own name and given the same math."""
+    lib, error = build_first(checkout / "ladle" / "kernels" / "csrc" / "gemm.cpp", "libladle_gemm_ab_before",
+                             cpu_gemm._open)
     if lib is None:
         raise SystemExit(f"the other checkout's kernel does not build: {error}")
     exp16, tanh16 = cpu_fused.sleef16()
@@ -81,7 +78,7 @@ def measure(libs: dict, name: str, n: int, k: int, gated: bool, rows: int, threa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--before", type=Path, required=True, help="the other checkout (its kernels/cpu_gemm_source.py)")
+    p.add_argument("--before", type=Path, required=True, help="the other checkout (its kernels/csrc/gemm.cpp)")
     p.add_argument("--threads", default="1")
     p.add_argument("--rows", default="516")
     p.add_argument("--repeats", type=int, default=12)

@@ -15,8 +15,8 @@ the model's own linear shapes at the step's token count; a prefill-only step's u
 2 * (decoder matmul parameters) * tokens + attention (4 * heads * head_dim per visible query-key pair)
 + the LM head on its sampled rows; the fraction is (FLOPs / forward seconds) / matmul GFLOP/s.
 
-    .venv/bin/python benchmarks/step_breakdown.py --quick
-    .venv/bin/python benchmarks/step_breakdown.py --write-docs
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/step_breakdown.py --quick
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/step_breakdown.py --write-docs
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def prefill_efficiency(eng: LLMEngine, arch: dict, dtype: str, tokens: int, cont
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps; the 0.6B model only at batch 1/16 (< 2 min)")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the report to benchmarks/results/")
     ap.add_argument("--models", nargs="+", default=["tiny", "qwen3_0_6b"], help="conf/model presets")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -299,7 +299,7 @@ def main() -> None:
         sections.append((name, arch, table, prof_tables, eff_table, context, steps, ops_line))
 
     if args.write_docs:
-        cmd = f".venv/bin/python benchmarks/step_breakdown.py{' --quick' if q else ''} --write-docs"
+        cmd = f"PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/step_breakdown.py{' --quick' if q else ''} --write-docs"
         lines = [f"Command: `{cmd}` (torch threads {threads}, {args.dtype}).", ""]
         for name, arch, table, prof_tables, eff_table, context, steps, ops_line in sections:
             lines += [f"### {name}: {bu.describe_arch(arch)}", "", ops_line + ".", "",

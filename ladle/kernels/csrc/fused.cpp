@@ -1,12 +1,5 @@
-"""C++ source of the fused CPU elementwise kernels (built at first use by kernels/cpu_fused.py).
-
-Kept as a Python string so an installed package always carries it. The numerical contract (each
-output rounds as the torch ops it replaces, in the same order) is described in kernels/cpu_fused.py.
-"""
-
-from ladle.kernels.cpu_gated_source import GATED_AVX512
-
-SOURCE = r"""
+// The fused CPU elementwise kernels, built at first use by kernels/cpu_fused.py. Their numerical
+// contract (each output rounds as the torch ops it replaces, in the same order) is described there.
 // ladle fused CPU kernels, float32: residual add + RMSNorm, gated activation (SiLU / GELU-tanh times
 // up), per-head RMSNorm + RoPE. Each output element is the same sequence of IEEE operations as the
 // torch ops models/layers.py would run (built with -ffp-contract=off: a fused multiply-add only where
@@ -32,8 +25,8 @@ SOURCE = r"""
 
 namespace {
 
-constexpr int64_t GRAIN = 32768;   // elements per call below which one thread does it all (torch's grain)
-constexpr int CHUNK = 4096;        // libm activation elements per step (a stack buffer; whole rows are fastest)
+constexpr int64_t GRAIN = 32768;    // elements per call below which one thread does it all (torch's grain)
+constexpr int CHUNK = 4096;         // libm activation elements per step (a stack buffer; whole rows are fastest)
 constexpr int64_t MAX_HEAD = 1024;  // head_dim bound of the norm + RoPE kernel (its stack buffer)
 
 // ---------------------------------------------------------------- exp / tanh
@@ -154,7 +147,7 @@ inline float inv_rms(const float* x, int64_t n, float eps, int lanes) {
   return 1.0f / std::sqrt(mean + eps);
 }
 
-""" + GATED_AVX512 + r"""
+#include "gated_avx512.h"
 
 // One row of act(g) * u, n elements. With SLEEF installed: one pass in vectors (a masked or padded
 // tail: every lane the same operations); otherwise chunks through libm.
@@ -272,9 +265,9 @@ float ladle_fused_sum_squares(const float* x, int64_t n, int lanes) { return sum
 
 // sum = x + residual (residual may be null: then x is normed and sum not written);
 // out = weight * (sum * inv_rms(sum)), weight being the norm's weight or Gemma's (1 + weight).
-int ladle_add_rmsnorm(const float* x, int64_t x_stride, const float* res, int64_t res_stride,
-                      float* sum, int64_t sum_stride, float* out, int64_t out_stride,
-                      const float* weight, int64_t rows, int64_t dim, float eps, int lanes, int threads) {
+int ladle_add_rmsnorm(const float* x, int64_t x_stride, const float* res, int64_t res_stride, float* sum,
+                      int64_t sum_stride, float* out, int64_t out_stride, const float* weight, int64_t rows,
+                      int64_t dim, float eps, int lanes, int threads) {
   if (dim <= 0 || rows < 0 || (lanes != 8 && lanes != 16)) return 1;
   const int nt = threads_for(threads, rows, rows * dim);
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -297,8 +290,8 @@ int ladle_add_rmsnorm(const float* x, int64_t x_stride, const float* res, int64_
 // out[r, i] = act(gate_up[r, i]) * gate_up[r, width + i]; act 0: SiLU x / (1 + exp(-x)),
 // 1: GELU-tanh 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as torch's vectorised kernels (whose
 // compiler contracts x + 0.044715 x^3 into one fused multiply-add: so does this, explicitly).
-int ladle_gated_act(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
-                    int64_t rows, int64_t width, int act, int threads) {
+int ladle_gated_act(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride, int64_t rows,
+                    int64_t width, int act, int threads) {
   if (width <= 0 || rows < 0 || act < 0 || act > 1) return 1;
   const int nt = threads_for(threads, rows, rows * width);
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -313,9 +306,8 @@ int ladle_gated_act(const float* gate_up, int64_t in_stride, float* out, int64_t
 // y = x, or weight[h] * (x * inv_rms(x)) when weight [heads, dim] is given; then RoPE with the full
 // width tables of row t: out = y * cos + roll(y, dim / 2) * sin (sin carries rotate_half's sign).
 // out is [rows, heads, dim] contiguous.
-int ladle_qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, float* out,
-                       const float* weight, const float* cos, int64_t cos_row,
-                       const float* sin, int64_t sin_row, int64_t rows, int64_t heads, int64_t dim,
+int ladle_qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, float* out, const float* weight, const float* cos,
+                       int64_t cos_row, const float* sin, int64_t sin_row, int64_t rows, int64_t heads, int64_t dim,
                        float eps, int lanes, int threads) {
   if (dim <= 0 || dim > MAX_HEAD || rows < 0 || heads <= 0 || (lanes != 8 && lanes != 16)) return 1;
   const int64_t items = rows * heads, half = dim / 2;
@@ -344,4 +336,3 @@ int ladle_qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, float* out
 }
 
 }  // extern "C"
-"""

@@ -7,7 +7,7 @@ the ladle kernel (kernels/cpu_gemm.pack); the two alternate within every repeat,
 1 thread: process clock; more: wall clock. Before timing, every shape's output is checked bitwise
 equal between the two at each M.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gemm_stream.py [--threads 1,2] [--rows 1,2,4,8,16,32,64,128,512]
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/gemm_stream.py [--threads 1,2] [--rows 1,2,4,8,16,32,64,128,512]
 """
 
 from __future__ import annotations
