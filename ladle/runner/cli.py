@@ -37,6 +37,7 @@ if not (CONF_DIR / "config.yaml").exists():  # pragma: no cover - a broken insta
 
 
 CONFIG_ERROR_EXIT = 2  # a config (or data path) the user must fix; 130 = interrupted; 1 = a crash
+OUTPUT_ERROR_EXIT = 1  # an output file could not be written (the previous one kept)
 _task_started = False  # Hydra exits 1 on its own config errors: before any task ran, that means config
 _sweep_dir: Path | None = None  # a multirun's root, once one of its jobs started
 _sweep_runs = 0  # the multirun's jobs that wrote their summary.json in this process
@@ -86,6 +87,7 @@ def _main(cfg: DictConfig) -> None:
     _task_started = True
     from ladle.runner.job import run_job
     from ladle.runner.resume import config_args
+    from ladle.runner.sinks import OutputError
 
     started = time.time()
     hc = HydraConfig.get()
@@ -104,6 +106,11 @@ def _main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)
+    except OutputError as e:
+        print(f"ladle: error: {e}", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN:
+            release_frames(e)
+        sys.exit(OUTPUT_ERROR_EXIT)
     except Exception as e:
         if hc.mode == RunMode.MULTIRUN:  # a single run's process ends here: keep the locals for a debugger
             release_frames(e)

@@ -1,7 +1,9 @@
 """Parquet sinks: rows written in row groups to `<name>.tmp`, finalised by close + os.replace.
 
 A sink always closes its writer (the job closes it in a `finally`), so Ctrl-C leaves a complete,
-readable file holding every row written so far. Resume reads the finished ids back, and the next run
+readable file holding every row written so far. A file reaches its final name only once verified: its
+footer reads back and holds the rows written. A write that failed (a full disk, an I/O error) leaves the
+previous file as it was and raises `OutputError`. Resume reads the finished ids back, and the next run
 copies the old rows into its new file before appending, so a run directory always has one file per
 kind whose rows are unique by id. A process killed outright (SIGKILL, power loss) leaves a `.tmp`
 without its footer: its rows are lost and recomputed by the next run, the finished file is intact.
@@ -104,6 +106,10 @@ def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
+class OutputError(RuntimeError):
+    """An output file could not be written completely; the previous one (if any) was kept."""
+
+
 # What pyarrow raises for a row it cannot encode (a string UTF-8 cannot hold, a value of the wrong type).
 UNWRITABLE = (pa.ArrowException, UnicodeError, TypeError, ValueError, OverflowError)
 
@@ -121,8 +127,15 @@ class ParquetSink:
         self.row_group_size = row_group_size
         self.repair = repair
         self._rows: list[dict[str, Any]] = []
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.tmp, self.schema)
+        try:
+            self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.tmp, self.schema)
+        except OSError as e:  # a full disk, a read-only directory: before any row is computed
+            self.tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot create {self.tmp}: {e}; the previous {self.path.name} is kept as it was "
+                              "(free space or fix the cause, then run the same command again)") from e
         self.rows_written = 0
+        self._inflight = 0  # rows of a write an interrupt may have cut: on disk or not
+        self.error: BaseException | None = None  # the first write that failed: the file is not finalised
 
     def write(self, row: dict[str, Any]) -> None:
         self._rows.append(row)
@@ -133,10 +146,7 @@ class ParquetSink:
         """Append existing rows (resume copies the previous run's file this way)."""
         self.flush()
         if table.num_rows:
-            assert self._writer is not None
-            self._writer.write_table(conform(table, self.schema).replace_schema_metadata(self.schema.metadata),
-                                     row_group_size=self.row_group_size)
-            self.rows_written += table.num_rows
+            self._write(conform(table, self.schema).replace_schema_metadata(self.schema.metadata))
 
     def flush(self) -> None:
         if self._rows:
@@ -148,8 +158,23 @@ class ParquetSink:
             except UNWRITABLE:  # find the rows pyarrow cannot encode; write the others as they are
                 table = pa.Table.from_pylist([r for r in map(self._writable, rows) if r is not None],
                                              schema=self.schema)
-            self._writer.write_table(table)
-            self.rows_written += table.num_rows
+            self._write(table)
+
+    def _write(self, table: pa.Table) -> None:
+        """One write to the file, counted; a failure marks the sink failed (it will not be finalised)."""
+        assert self._writer is not None
+        if self.error is not None:
+            raise OutputError(f"{self.path.name}: an earlier write failed: {self.error}")
+        self._inflight = table.num_rows
+        try:
+            self._writer.write_table(table, row_group_size=self.row_group_size)
+        except KeyboardInterrupt:
+            raise  # the file is checked at close: the rows are counted whether or not they reached it
+        except BaseException as e:
+            self.error = e
+            raise
+        self.rows_written += self._inflight
+        self._inflight = 0
 
     def _writable(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """The row if pyarrow can encode it, else its cleaned form, else `repair`'s row (None: dropped)."""
@@ -175,26 +200,63 @@ class ParquetSink:
         return None
 
     def close(self) -> None:
-        """Flush, close and atomically move the file into place (safe to call twice)."""
+        """Flush, close, verify and atomically move the file into place (safe to call twice)."""
+        self.finish()
+        self.commit()
+
+    def finish(self) -> None:
+        """Flush and close the `.tmp` and check it: a footer that reads back, holding the rows written.
+        On any failure the `.tmp` is deleted (the finished file stays as it was) and OutputError says why."""
         if self._writer is None:
             return
         try:
             self.flush()
+        except KeyboardInterrupt:
+            pass  # a second Ctrl-C: the file is closed and checked all the same
+        except Exception:
+            if self.error is None:
+                raise
         finally:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except Exception as e:  # noqa: BLE001 - a footer that could not be written
+                self.error = self.error or e
             self._writer = None
-            os.replace(self.tmp, self.path)
-            # What is on disk, whatever an interrupt did to the running count (it can land between a
-            # row group's write and its count).
-            self.rows_written = pq.ParquetFile(self.path).metadata.num_rows
+        problem = self._verify()
+        if problem is not None:
+            self.tmp.unlink(missing_ok=True)
+            kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
+            raise OutputError(f"writing {self.path} failed ({problem}); {kept}. Free space or fix the cause, then "
+                              "run the same command again: it resumes from the rows kept")
 
+    def _verify(self) -> str | None:
+        """Why the closed `.tmp` is not complete, or None: a failed write, no footer, a row count not
+        the one written (`_inflight`: a write an interrupt cut may or may not have landed)."""
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        pf = readable(self.tmp)
+        if pf is None:
+            return f"{self.tmp.name} has no readable Parquet footer"
+        on_disk = pf.metadata.num_rows
+        if not self.rows_written <= on_disk <= self.rows_written + self._inflight:
+            return f"{self.tmp.name} holds {on_disk} rows, {self.rows_written} were written"
+        self.rows_written = on_disk
+        return None
+
+    def commit(self) -> None:
+        """Move the verified `.tmp` into place (after `finish`; nothing to do when already moved)."""
+        if self.tmp.exists():
+            os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
         """Close and delete the .tmp file, leaving the finished file (if any) as it was."""
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except Exception as e:  # noqa: BLE001 - the file is deleted either way
+                log.debug("%s: closing a discarded file failed: %s", self.tmp.name, e)
             self._writer = None
-            self.tmp.unlink(missing_ok=True)
+        self.tmp.unlink(missing_ok=True)
 
 
 def readable(path: Path) -> pq.ParquetFile | None:

@@ -2,8 +2,9 @@
 
 Both are opened together, start with a copy of the previous runs' rows (resume), take this run's rows
 tagged with its attempt number, and are closed together in a `finally`: an interrupted run leaves
-readable files. Until the previous rows are copied, the old files are the only complete ones, so a
-run stopped before that leaves them as they were.
+readable files. Both are verified before either is moved into place (runner/sinks.py): a write that
+failed leaves both previous files as they were. Until the previous rows are copied, the old files are
+the only complete ones, so a run stopped before that leaves them as they were.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ladle.runner.sinks import (
     GENERATIONS,
     STEPS,
     STEPS_SCHEMA,
+    OutputError,
     ParquetSink,
     generations_schema,
     previous_batches,
@@ -60,11 +62,25 @@ class RunWriter:
         self.steps.write({**row, "attempt": self.attempt})
 
     def close(self) -> None:
-        for sink in (self.gen, self.steps):
-            if self.copied:
-                sink.close()
-            else:
+        """Both files are verified before either replaces its previous one: a failure in one keeps both
+        previous files (a steps file never describes rows the generations file lacks)."""
+        sinks = (self.gen, self.steps)
+        if not self.copied:
+            for sink in sinks:
                 sink.abort()
+            return
+        failures = []
+        for sink in sinks:
+            try:
+                sink.finish()
+            except OutputError as e:
+                failures.append(str(e))
+        if failures:
+            for sink in sinks:
+                sink.abort()
+            raise OutputError("; ".join(failures))
+        for sink in sinks:
+            sink.commit()
 
     @property
     def rows_total(self) -> int:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from ladle.runner.config import JobConfig, check, to_job_config
 from ladle.runner.report import SUMMARY, format_table, summarize, write_summary
+from ladle.runner.run_lock import RunDirLock
 from ladle.runner.sinks import GENERATIONS, STEPS
 
 log = logging.getLogger("ladle")
@@ -49,7 +50,13 @@ class Executor(ABC):
     def run(self, cfg: DictConfig, out_dir: str | Path) -> RunResult:
         job = to_job_config(cfg)
         check(job)
-        ran = self.execute(cfg, job, Path(out_dir))
+        with RunDirLock(Path(out_dir)):  # before anything in the directory is read, recovered or replaced
+            ran = self.execute(cfg, job, Path(out_dir))
+            summary, files = self._tail(job, ran)
+        return RunResult(ran.out, summary, files, ran.interrupted)
+
+    def _tail(self, job: JobConfig, ran: Ran) -> tuple[dict[str, Any], dict[str, Path]]:
+        """The summary, plots and printed table of a run whose requests ran (still under the lock)."""
         gen, steps = ran.out / GENERATIONS, ran.out / STEPS
         summary = summarize(gen, steps if steps.exists() else None, ran.info)
         files = {"generations": gen, "steps": steps, "summary": ran.out / SUMMARY, **ran.files}
@@ -65,7 +72,7 @@ class Executor(ABC):
             print(f"\noutputs in {ran.out.resolve()}:")
             for name, p in files.items():
                 print(f"  {name:<12} {p.relative_to(ran.out)}")
-        return RunResult(ran.out, summary, files, ran.interrupted)
+        return summary, files
 
     @abstractmethod
     def execute(self, cfg: DictConfig, job: JobConfig, out: Path) -> Ran:

@@ -1,0 +1,132 @@
+"""Output files under storage faults: a write that fails (a full disk) never replaces complete output."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ladle.runner.job import run_job
+from ladle.runner.sinks import OutputError
+from tests.runner.conftest import compose_cfg
+from tests.runner.fake_engine import FakeEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FullDisk(io.RawIOBase):
+    """A file that takes `budget` bytes, then writes what fits and raises ENOSPC, as a full disk does."""
+
+    def __init__(self, path: str | Path, budget: int) -> None:
+        super().__init__()
+        self.f, self.left = open(path, "wb"), budget  # noqa: SIM115 - closed by close()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        b = bytes(b)
+        if len(b) > self.left:
+            self.f.write(b[: self.left])
+            self.left = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.left -= len(b)
+        return self.f.write(b)
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+def fill_disk_at(monkeypatch, name: str, budget: int) -> None:
+    """Every new `<name>.tmp` the sinks open takes only `budget` bytes."""
+    real = pq.ParquetWriter
+
+    def writer(where, schema, **kw):
+        if Path(str(where)).name == name + ".tmp":
+            where = FullDisk(where, budget)
+        return real(where, schema, **kw)
+
+    monkeypatch.setattr(pq, "ParquetWriter", writer)
+
+
+def source(tmp_path: Path, n: int) -> Path:
+    p = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": [f"question number {i}?" for i in range(n)]}), p)
+    return p
+
+
+@pytest.mark.parametrize("name", ["generations.parquet", "steps.parquet"])
+def test_a_full_disk_during_a_resume_keeps_the_complete_files(tmp_path, monkeypatch, name):
+    """A resumed run's writes fail part-way: the earlier complete generations and steps files stay byte for
+    byte, no .tmp is left, and the job raises naming the file and the cause. The next run resumes from
+    them (before, the footerless .tmp replaced the file and the next resume started from zero)."""
+    src, out = source(tmp_path, 40), tmp_path / "out"
+    cfg = lambda limit: compose_cfg("workload=parquet", f"workload.path={src}", f"workload.limit={limit}",
+                                    "output.row_group_size=4", "output.steps_row_group_size=4")
+    run_job(cfg(20), out, engine=FakeEngine(max_num_seqs=3))
+    before = {n: (out / n).read_bytes() for n in ("generations.parquet", "steps.parquet")}
+    fill_disk_at(monkeypatch, name, (out / name).stat().st_size + 200)  # room for the copy and a little more
+    with pytest.raises(OutputError) as e:
+        run_job(cfg(40), out, engine=FakeEngine(max_num_seqs=3))
+    assert name in str(e.value) and "No space left on device" in str(e.value), e.value
+    assert "kept" in str(e.value)
+    assert {n: (out / n).read_bytes() for n in before} == before
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.undo()  # space again: the same command resumes from the 20 rows kept
+    result = run_job(cfg(40), out, engine=FakeEngine(max_num_seqs=3))
+    assert result.summary["resumed"] == 20 and pq.read_table(out / "generations.parquet").num_rows == 40
+
+
+def test_a_file_whose_row_count_is_wrong_is_not_moved_into_place(tmp_path, monkeypatch):
+    """A writer that closes without an error but loses rows (its footer counts fewer) fails verification."""
+    from ladle.runner.sinks import ParquetSink
+
+    path = tmp_path / "g.parquet"
+    pq.write_table(pa.table({"a": ["old"]}), path)
+    sink = ParquetSink(path, pa.schema([("a", pa.string())]), 2, {})
+    for i in range(5):
+        sink.write({"a": str(i)})
+    sink.rows_written += 1  # one row the file does not hold
+    with pytest.raises(OutputError, match="holds 5 rows, 6 were written"):
+        sink.close()
+    assert pq.read_table(path).column("a").to_pylist() == ["old"] and not sink.tmp.exists()
+
+
+FULL_DISK_SCRIPT = """
+import sys
+from pathlib import Path
+import pyarrow.parquet as pq
+from tests.runner.test_storage_faults import FullDisk
+budget = int(sys.argv.pop(1))
+real = pq.ParquetWriter
+def writer(where, schema, **kw):
+    if Path(str(where)).name == "generations.parquet.tmp":
+        where = FullDisk(where, budget)
+    return real(where, schema, **kw)
+pq.ParquetWriter = writer
+from ladle.runner import cli
+sys.argv = ["ladle", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("budget", [0, 10])  # full before the file's magic bytes; before its first row group
+def test_the_cli_exits_non_zero_naming_the_write_that_failed(tmp_path, budget):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(budget), f"hydra.run.dir={out}", "workload.limit=2",
+                        "sampling.max_tokens=2", "output.plots=false", "output.print_summary=false",
+                        "output.progress=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "ladle: error:" in p.stderr and "generations.parquet" in p.stderr, p.stderr[-3000:]
+    assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert not (out / "generations.parquet").exists() and not (out / "generations.parquet.tmp").exists()
