@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ladle.engine import n_samples
 from ladle.engine.builder import build
 from ladle.engine.clock import Clock, WallClock
 from ladle.engine.config import EngineConfig
+from ladle.engine.n_samples import expand_rows, make_forks, sequences
 from ladle.engine.request import Request, RequestOutput, StepStats
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.scheduler import SchedulerOutput
@@ -83,7 +83,7 @@ class LLMEngine:
             self._refused = [r for r in self._refused if r is not req]
             self.updater.release(req)
             return
-        for r in n_samples.sequences(req):
+        for r in sequences(req):
             if not r.finished:
                 self.updater.finish(r, "abort", self.clock.now())
 
@@ -113,8 +113,8 @@ class LLMEngine:
         ran = self.model_runner.execute(sched.scheduled)
         timer.forwards_done(ran.prepare_time)
         sampling = [s.request for s in sched.scheduled if s.produces_token]
-        forks = n_samples.make_forks(sampling, self.device)
-        rows, drawers = n_samples.expand_rows(sampling, forks)
+        forks = make_forks(sampling, self.device)
+        rows, drawers = expand_rows(sampling, forks)
         mask = self._structured.apply_masks if self._structured.in_use else None
         drawn = self.sampler.draw(ran.logits, rows, drawers, mask)
         timer.lap("sample")
