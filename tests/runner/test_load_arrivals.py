@@ -13,7 +13,7 @@ from ladle.runner.job import run_job
 from ladle.runner.sweep import answers
 from tests.runner.conftest import compose_cfg
 
-FAST_CHUNKED = ["workload=chunked_prefill", "workload.synthetic.groups.0.max_tokens=48",
+FAST_CHUNKED = ["experiment=chunked_prefill", "workload.synthetic.groups.0.max_tokens=48",
                 "workload.synthetic.groups.1.num_requests=3", "workload.synthetic.groups.1.prompt_len=600",
                 "workload.synthetic.groups.1.min_prompt_len=400", "workload.synthetic.groups.1.max_prompt_len=800",
                 "chunking.size=64", "cache.max_model_len=1024"]
