@@ -39,10 +39,11 @@ def test_group_options_present():
     assert {"paged", "contiguous"} <= set(_options("cache"))
     assert {"default", "off", "small_chunks", "decode_priority", "one_prefill_at_a_time", "interleave"} <= set(
         _options("chunking"))
-    # data sources in workload/, benchmark scenarios in experiment/
-    assert {"sample", "parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch"} == set(_options("workload"))
-    assert {"baseline", "continuous_batching", "paged_attention", "chunked_prefill", "prefix_caching",
-            "gpu_long_documents"} == set(_options("experiment"))
+    # data sources in workload/, benchmark scenarios in experiment/, and no scenario among the sources
+    scenarios = {"baseline", "continuous_batching", "paged_attention", "chunked_prefill", "prefix_caching",
+                 "gpu_long_documents"}
+    assert {"sample", "parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch"} <= set(_options("workload"))
+    assert scenarios <= set(_options("experiment")) and not scenarios & set(_options("workload"))
     job = to_job_config(compose_cfg("chunking=one_prefill_at_a_time"))
     assert job.chunking.max_partial_prefills == 1
     assert to_job_config(compose_cfg("chunking=interleave")).chunking.prefill_interval == 2
