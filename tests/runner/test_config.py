@@ -44,6 +44,8 @@ def test_group_options_present():
                  "gpu_long_documents"}
     assert {"sample", "parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch"} <= set(_options("workload"))
     assert scenarios <= set(_options("experiment")) and not scenarios & set(_options("workload"))
+    for name in _options("experiment"):  # a scenario may set any key of the job, so it is global
+        assert (CONF_DIR / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_\n"), name
     job = to_job_config(compose_cfg("chunking=one_prefill_at_a_time"))
     assert job.chunking.max_partial_prefills == 1
     assert to_job_config(compose_cfg("chunking=interleave")).chunking.prefill_interval == 2
