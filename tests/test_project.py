@@ -64,16 +64,17 @@ def test_ruff_is_clean():
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(root: Path = ROOT, package_root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
     """Project module -> the project modules it imports, anywhere in the file (inside functions too).
-    `from a import b` is an edge to the module a.b when b is one, else to a; a parent package is not an
-    edge of its own (Python runs a package's __init__ first, but it may import its submodules)."""
-    files = {module_name(f): f for f in sorted(PACKAGE_ROOT.rglob("*.py"))}
+    `from a import b` is an edge to a (its __init__ runs and its namespace is read, re-exports included)
+    and also to the module a.b when b is one. `import a.b` is an edge to a.b alone: a package's __init__
+    may import its own submodules, and a submodule that needs a sibling names the sibling."""
+    files = {module_name(f, root): f for f in sorted(package_root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -86,9 +87,8 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*up, *([base] if base else [])])
-                for a in node.names:
-                    target = f"{base}.{a.name}"
-                    edges.add(target if target in files else base)
+                edges.add(base)
+                edges.update(f"{base}.{a.name}" for a in node.names)
         edges &= files.keys() - {name}
     return graph
 
@@ -119,6 +119,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path):
+    """`from pkg import sub` inside pkg/other.py reads pkg's __init__, which imports other: a circle that
+    Python survives only while the name is a submodule; naming the submodule (`import pkg.sub`) is none."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.other import run\n")
+    (pkg / "sub.py").write_text("X = 1\n")
+    (pkg / "other.py").write_text("from pkg import sub\n")
+    assert find_cycle(import_graph(tmp_path, pkg)) == ["pkg", "pkg.other", "pkg"]
+    (pkg / "other.py").write_text("import pkg.sub as sub\n")
+    assert find_cycle(import_graph(tmp_path, pkg)) is None
 
 
 def test_no_import_circles():
@@ -200,3 +213,39 @@ def test_no_python_file_holds_cpp():
     texts = {name: (ROOT / name).read_text() for name in tracked_files() if name.endswith(".py")}
     bad = {name: CPP_LINE.search(text).group(0).strip() for name, text in texts.items() if CPP_LINE.search(text)}
     assert not bad, f"C++ inside Python files (move it to a .cpp or .h file): {bad}"
+
+
+# Size rules: a module of the serving core or the runner fits in one reading, and a function on one screen.
+MAX_MODULE_LINES = {"engine": 350, "runner": 350}
+MAX_FUNCTION_LINES = 50
+NO_FUNCTION_LIMIT = {"kernels"}  # kernels unroll on purpose; their C++ is not Python's to measure
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`name (N lines)` for each function or method in `path` longer than `limit`, nested ones included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_long_functions_are_measured(tmp_path):
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text("def f():\n" + "    x = 1\n" * 49)
+    long.write_text("class C:\n    def g(self):\n" + "        x = 1\n" * 50)
+    assert long_functions(short) == []
+    assert long_functions(long) == ["g (51 lines)"]
+
+
+@pytest.mark.parametrize("package", sorted(MAX_MODULE_LINES))
+def test_modules_stay_short(package):
+    limit = MAX_MODULE_LINES[package]
+    sizes = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in (PACKAGE_ROOT / package).rglob("*.py")}
+    assert sizes
+    over = {name: n for name, n in sizes.items() if n > limit}
+    assert not over, f"modules over {limit} lines (split them along a seam, one job per module): {over}"
+
+
+def test_functions_stay_short():
+    files = [f for f in sorted(PACKAGE_ROOT.rglob("*.py")) if f.relative_to(PACKAGE_ROOT).parts[0] not in NO_FUNCTION_LIMIT]
+    over = {str(f.relative_to(ROOT)): long_functions(f) for f in files if long_functions(f)}
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them where their steps part): {over}"

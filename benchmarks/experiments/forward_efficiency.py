@@ -140,7 +140,7 @@ def run_one(args) -> dict:
     ))
     build_s = time.perf_counter() - t0
     timed = TimedModel(eng.model)
-    eng.runner.model = timed
+    eng.model_runner.model = timed
     shapes = layer_shapes(arch)
     layers, hidden, vocab = arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"]
     ref = GemmReference(shapes, (vocab, hidden), args.token_budget)

@@ -10,16 +10,12 @@ The parts are built by engine/builder.py; the engine only wires a step through t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Sequence
 
-import torch
-
-from ladle.engine import n_samples
 from ladle.engine.builder import build
 from ladle.engine.clock import Clock, WallClock
 from ladle.engine.config import EngineConfig
+from ladle.engine.n_samples import expand_rows, make_forks, sequences
 from ladle.engine.request import Request, RequestOutput, StepStats
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.scheduler import SchedulerOutput
@@ -83,7 +79,7 @@ class LLMEngine:
             self._refused = [r for r in self._refused if r is not req]
             self.updater.release(req)
             return
-        for r in n_samples.sequences(req):
+        for r in sequences(req):
             if not r.finished:
                 self.updater.finish(r, "abort", self.clock.now())
 
@@ -113,8 +109,8 @@ class LLMEngine:
         ran = self.model_runner.execute(sched.scheduled)
         timer.forwards_done(ran.prepare_time)
         sampling = [s.request for s in sched.scheduled if s.produces_token]
-        forks = n_samples.make_forks(sampling, self.device)
-        rows, drawers = n_samples.expand_rows(sampling, forks)
+        forks = make_forks(sampling, self.device)
+        rows, drawers = expand_rows(sampling, forks)
         mask = self._structured.apply_masks if self._structured.in_use else None
         drawn = self.sampler.draw(ran.logits, rows, drawers, mask)
         timer.lap("sample")
@@ -171,11 +167,6 @@ class LLMEngine:
         self._structured = self.input_processor.structured = self.updater.structured = manager
 
     @property
-    def runner(self):
-        """The model runner under its old name (benchmarks/experiments/forward_efficiency.py); use model_runner."""
-        return self.model_runner
-
-    @property
     def tokenizer(self):
         return self.input_processor.tokenizer
 
@@ -190,19 +181,6 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> set[int]:
         return self.output_processor.eos_token_ids
-
-    @property
-    def calibration_key(self) -> str:
-        """What a timing of this engine depends on (a stored calibration is reused only for the same):
-        the architecture's shapes, dtype, device, attention backend, torch's threads and the longest
-        sequence (it caps the calibrated prefill). Not the weights' values, which do not change speed."""
-        parts = {
-            "arch": repr(self.arch), "dtype": str(self.dtype), "device": str(self.device),
-            "backend": self.config.model.attention_backend, "threads": torch.get_num_threads(),
-            "max_model_len": self.max_model_len, "compile": self.config.model.compile,
-        }
-        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-        return f"{self.config.model.name}|{digest}"
 
     def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
         """Seconds of one forward of this shape on dummy tokens, outside the engine's cache and

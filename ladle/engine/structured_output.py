@@ -22,167 +22,31 @@ A spec that does not compile fails its own request only (finish_reason "error", 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ladle.engine.grammar_spec import (  # the spec functions, importable from here too
+    INSTALL_HINT,
+    cache_key,
+    choice_grammar,
+    schema_text,
+    spec_error,
+    spec_of,
+)
+from ladle.engine.grammar_state import GrammarState
 from ladle.engine.grammar_vocab import VocabMasks, VocabularyError, tokenizer_info
 from ladle.engine.json_schema_support import json_schema_problem
 from ladle.engine.request import Request
 from ladle.engine.sampling_params import StructuredOutputs
 
+__all__ = ["GrammarState", "StructuredOutputManager", "cache_key", "choice_grammar", "schema_text", "spec_error"]
+
 CACHE_SIZE = 256  # compiled specs kept (one grammar's token-mask cache can be megabytes)
-_INSTALL_HINT = "structured output needs xgrammar: pip install 'ladle[structured]'"
-
-
-def spec_of(so: StructuredOutputs) -> tuple[str, Any]:
-    """(kind, value) of the one field set (SamplingParams.problems() has checked there is exactly one)."""
-    for kind in ("json_schema", "regex", "choice", "grammar"):
-        value = getattr(so, kind)
-        if value is not None:
-            return kind, value
-    raise ValueError("StructuredOutputs has no field set")
-
-
-def cache_key(so: StructuredOutputs) -> str:
-    """The spec as canonical JSON: equal specs (a schema as dict or as text, any key order) share a compile."""
-    kind, value = spec_of(so)
-    if kind == "json_schema" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass  # not JSON: compiling it reports the error; key on the raw text
-    return json.dumps([kind, value], sort_keys=True, ensure_ascii=False)
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF alternation of the literal strings. JSON string quoting is also xgrammar's EBNF literal
-    syntax (backslash, quote, control characters escaped; other characters, unicode included, as is)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
-
-
-def _compile_error(kind: str, exc: BaseException) -> str:
-    """'json_schema is not valid: <the compiler's reason>' without the C++ file/line prefix."""
-    if isinstance(exc, VocabularyError):
-        return f"structured output is not available for this model's tokenizer: {exc}"
-    text = str(exc).strip()
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
-    text = re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
-    text = text.splitlines()[0] if text else type(exc).__name__
-    return f"{kind} is not valid: {text}"
-
-
-def schema_text(schema: Any) -> str:
-    """A json_schema as the text the compiler reads: as it is when text, else its JSON (a dict's int keys
-    become strings, tuples lists). The one rule for the compile, the config check and the request's own
-    copy of its params (engine/input_processor.own_copy), so all three judge the same schema. Raises
-    TypeError / ValueError / RecursionError for a value JSON cannot write."""
-    return schema if isinstance(schema, str) else json.dumps(schema)
-
-
-def spec_error(so: StructuredOutputs) -> str | None:
-    """Why the spec cannot compile, found by parsing it without a tokenizer (cheap: no model needed, so
-    a config-wide spec is checked before the model loads); None when it parses."""
-    try:
-        import xgrammar as xgr
-    except ImportError:
-        return _INSTALL_HINT
-    kind, value = spec_of(so)
-    if kind == "json_schema":
-        try:
-            value = schema_text(value)
-        except (TypeError, ValueError, RecursionError) as exc:
-            return f"json_schema cannot be written as JSON ({type(exc).__name__}: {exc}); give it as JSON text"
-    if kind == "json_schema" and (problem := json_schema_problem(value)):
-        return problem
-    try:
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(value, any_whitespace=False)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(value)
-        else:
-            xgr.Grammar.from_ebnf(choice_grammar(list(value)) if kind == "choice" else value)
-    except Exception as exc:  # noqa: BLE001 - the parser's message is the answer
-        return _compile_error(kind, exc)
-    return None
-
-
-def _allows_any(matcher: Any, grammar: Any) -> bool:
-    """Whether the matcher's next-token mask allows any token (one fill, on a fresh matcher)."""
-    import xgrammar as xgr
-
-    vocab = grammar.tokenizer_info.vocab_size
-    bitmask = xgr.allocate_token_bitmask(1, vocab)
-    matcher.fill_next_token_bitmask(bitmask)
-    return bool(bitmask.any())
-
-
-@dataclass(eq=False)
-class GrammarState:
-    """A request's (or a sample's) grammar: the shared compile and its own matcher."""
-
-    kind: str
-    compiled: Future
-    stop_ids: list[int]  # the model's EOS ids and the request's own stop_token_ids
-    own_stop_ids: list[int] = field(default_factory=list)  # the request's, not among the EOS ids
-    matcher: Any = None
-    error: str | None = None  # set when the compile failed: the request fails with it
-    exhausted: bool = False  # complete, with nothing further allowed (only when it has no stop token)
-    after_ed: bool = False  # the text so far ends with the lead byte ED (see VocabMasks)
-    # Without a stop token, a complete grammar that could go on is not masked: a token it would take
-    # continues it, any other token is the model choosing to end here (the packed allowed tokens).
-    may_end: torch.Tensor | None = None
-
-    def ready(self) -> bool:
-        """Make the matcher (waiting for the compile if needed). False if the compile failed."""
-        if self.matcher is None and self.error is None:
-            import xgrammar as xgr
-
-            try:
-                grammar = self.compiled.result()
-            except Exception as exc:  # noqa: BLE001 - any compile failure is this request's error
-                self.error = _compile_error(self.kind, exc)
-                return False
-            try:
-                if self.stop_ids:
-                    matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_ids)
-                else:  # no stop token: the grammar ends when it allows nothing more or the model ends it
-                    matcher = xgr.GrammarMatcher(grammar)
-                if not matcher.is_completed() and not _allows_any(matcher, grammar):
-                    # Known before any prefill: a grammar whose language is empty (or that no token of
-                    # this vocabulary can begin) would otherwise fail after it, blaming its stop tokens.
-                    self.error = self._no_first_token(grammar)
-                else:
-                    self.matcher = matcher
-            except Exception as exc:  # noqa: BLE001 - e.g. a stop id the grammar's vocabulary lacks
-                self.error = f"{self.kind} cannot start: {type(exc).__name__}: {exc}"
-        return self.error is None
-
-    def _no_first_token(self, grammar: Any) -> str:
-        """Why a grammar allows no first token. The request's own stop_token_ids are taken out of the
-        grammar's vocabulary (they end the request, they are not text): when the grammar can begin
-        without that (a matcher with the EOS ids only), they are the cause; else its language is empty."""
-        import xgrammar as xgr
-
-        if self.own_stop_ids:
-            eos = sorted(set(self.stop_ids).difference(self.own_stop_ids))
-            plain = xgr.GrammarMatcher(grammar, override_stop_tokens=eos) if eos else xgr.GrammarMatcher(grammar)
-            if plain.is_completed() or _allows_any(plain, grammar):
-                return (f"{self.kind} allows no first token: its stop_token_ids {self.own_stop_ids} are not "
-                        f"text to it; remove them if the {self.kind} needs them")
-        return f"{self.kind} matches no text: it allows no first token; fix the {self.kind}"
-
-    def fresh(self) -> GrammarState:
-        """A new matcher over the same compile (each of a request's n samples has its own)."""
-        return GrammarState(self.kind, self.compiled, self.stop_ids, self.own_stop_ids)
-
 
 class StructuredOutputManager:
     """Compiles specs (cached, on a background thread) and masks/advances requests' grammars."""
@@ -216,7 +80,7 @@ class StructuredOutputManager:
         try:
             import xgrammar  # noqa: F401
         except ImportError:
-            return _INSTALL_HINT
+            return INSTALL_HINT
         kind, value = spec_of(so)
         key = cache_key(so)
         future = self._cache.get(key)
@@ -305,25 +169,8 @@ class StructuredOutputManager:
         masks |= stops
         stuck = ~masks.any(dim=1) & ~exhausted
         bitmask[index] = masks
-        keep = []
-        for j, (i, g, ex, st) in enumerate(zip(rows, states, exhausted.tolist(), stuck.tolist())):
-            g.may_end = None
-            if not ex and not st and not g.stop_ids and g.matcher.is_completed():
-                g.may_end = masks[j].clone()  # complete, could go on: the model decides (see verdict)
-            elif ex and g.stop_ids:
-                # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
-                # complete: a token it needs is one of the request's own stop_token_ids (those are taken
-                # out of the grammar's vocabulary), or no token can continue it at all.
-                own = g.own_stop_ids
-                g.error = (f"{g.kind} cannot continue: no token of the vocabulary continues it here"
-                           + (f" (its stop_token_ids {own} are not text to it: remove them if it needs them)"
-                              if own else ""))
-            elif ex:
-                g.exhausted = True
-            elif st:
-                g.error = f"{g.kind} cannot continue: it allows only raw control characters or surrogates here"
-            else:
-                keep.append(i)
+        keep = [i for j, (i, g, ex, st) in enumerate(zip(rows, states, exhausted.tolist(), stuck.tolist()))
+                if _judge_row(g, masks[j], ex, st)]
         if keep:
             xgr.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=keep
@@ -380,6 +227,27 @@ class StructuredOutputManager:
             raise RuntimeError(f"the {g.kind} grammar rejected token {token}, which its mask allowed")
         g.after_ed = token in self._masks.ends_with_ed
         return g.matcher.is_terminated()
+
+
+def _judge_row(g: GrammarState, mask: torch.Tensor, exhausted: bool, stuck: bool) -> bool:
+    """Record on the grammar what its row's final mask says; True when the row is to be masked (the
+    grammar goes on), False when the engine ends the request instead (see verdict)."""
+    g.may_end = None
+    if not exhausted and not stuck and not g.stop_ids and g.matcher.is_completed():
+        g.may_end = mask.clone()  # complete, could go on: the model decides (see verdict)
+        return False
+    if exhausted and g.stop_ids:
+        # A complete grammar allows its stop tokens, so an empty mask means it is stuck short of
+        # complete: a token it needs is one of the request's own stop_token_ids (those are taken
+        # out of the grammar's vocabulary), or no token can continue it at all.
+        own = g.own_stop_ids
+        g.error = (f"{g.kind} cannot continue: no token of the vocabulary continues it here"
+                   + (f" (its stop_token_ids {own} are not text to it: remove them if it needs them)" if own else ""))
+    elif exhausted:
+        g.exhausted = True
+    elif stuck:
+        g.error = f"{g.kind} cannot continue: it allows only raw control characters or surrogates here"
+    return not (exhausted or stuck)
 
 
 def _stop_bits(masks: torch.Tensor, states: list[GrammarState], eos_ids: list[int]) -> torch.Tensor:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ladle.engine import n_samples
 from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.logprobs import TopK
 from ladle.engine.model_runner import RunnerOutput
+from ladle.engine.n_samples import all_finished, fork, per_sample
 from ladle.engine.output_processor import OutputProcessor
 from ladle.engine.request import Request, RequestOutput
 from ladle.engine.sampler import Drawn
@@ -87,11 +87,11 @@ class Updater:
         Once forked, each sample's token is its own: one that fails fails alone, its siblings go on."""
         if req.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it wanted
             self.finish(req, "length", now)
-            update.outputs.extend(n_samples.per_sample(self.output.output(req, [], ""), req.params.n))
+            update.outputs.extend(per_sample(self.output.output(req, [], ""), req.params.n))
             return
         samples = result.forks.get(req)
         if samples is not None:
-            n_samples.fork(req, samples, self.scheduler, self.kv)
+            fork(req, samples, self.scheduler, self.kv)
             self._end_sequence(req)
             for child in samples:
                 self.output.start(child)
@@ -166,7 +166,7 @@ class Updater:
         """A finished request is reported once; the engine keeps no reference to it afterwards (for
         n > 1, once all its samples are finished)."""
         self._end_sequence(req)
-        if n_samples.all_finished(req):
+        if all_finished(req):
             self.requests.pop(req.request_id, None)
 
     def _end_sequence(self, req: Request) -> None:

@@ -264,20 +264,7 @@ def arch_from_config(config: dict[str, Any], generation_config: dict[str, Any] |
     if SLIDING in layer_types and not sliding:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
     eos = _ids((generation_config or {}).get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    attn_softcap = cfg.get("attn_logit_softcapping")
-    if family == "gemma3":
-        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
-        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
-        if attn_softcap is not None:
-            # transformers' Gemma 3 keeps this key but never applies it (q/k norm replaced it), so neither
-            # does ladle: outputs must match the reference implementation checkpoints are validated on.
-            warnings.warn(
-                f"Gemma 3 ignores attn_logit_softcapping={attn_softcap} (as transformers does)", stacklevel=2
-            )
-            attn_softcap = None
-    else:
-        scale = head_dim**-0.5
-        act = cfg.get("hidden_act") or "silu"
+    scale, act, attn_softcap = _family_math(cfg, family, head_dim)
     return ModelArch(
         name=cfg.get("model_type") or ARCHITECTURES[arch_name][1],
         family=family,
@@ -307,6 +294,19 @@ def arch_from_config(config: dict[str, Any], generation_config: dict[str, Any] |
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+def _family_math(cfg: dict[str, Any], family: str, head_dim: int) -> tuple[float, str, float | None]:
+    """(attention scale, MLP activation, attention logit softcap): where Gemma 3 differs from Llama/Qwen."""
+    attn_softcap = cfg.get("attn_logit_softcapping")
+    if family != "gemma3":
+        return head_dim**-0.5, cfg.get("hidden_act") or "silu", attn_softcap
+    if attn_softcap is not None:
+        # transformers' Gemma 3 keeps this key but never applies it (q/k norm replaced it), so neither
+        # does ladle: outputs must match the reference implementation checkpoints are validated on.
+        warnings.warn(f"Gemma 3 ignores attn_logit_softcapping={attn_softcap} (as transformers does)", stacklevel=3)
+    scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+    return scale, cfg.get("hidden_activation") or "gelu_pytorch_tanh", None
 
 
 # Keys whose explicit null in config.json overrides a non-null default (e.g. "no softcapping").

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from ladle.kernels import AttentionMetadata, cpu_fused, cpu_layers
-from ladle.models import cpu_stack
 from ladle.models.attention_op import attention_context
 from ladle.models.config import ModelArch
+from ladle.models.cpu_stack import decoder_stack_op, run_layers, stackable
+from ladle.models.cpu_stack import register as register_stack
 from ladle.models.gemma3 import Gemma3DecoderLayer
 from ladle.models.layers import MLP, RMSNorm, RotaryEmbedding
 from ladle.models.linear import Linear, verify_batch_invariance
@@ -111,8 +112,8 @@ class CausalLM(nn.Module):
             cpu_fused.enabled()  # decided (and the library built) now: the traced forward reads a constant
         # The layers before the last as one op (models/cpu_stack.py) where they can be, decided now (the trace
         # reads a constant); layers that never can keep their own ops in the graph.
-        stack = self._stackable() and cpu_stack.stackable(list(self.model.layers[:-1]))
-        self._stack_key = cpu_stack.register(self.model.layers) if stack else None
+        stack = self._stackable() and stackable(list(self.model.layers[:-1]))
+        self._stack_key = register_stack(self.model.layers) if stack else None
         for rope in self.rope.values():  # tables built now, so the graph reads them instead of building them
             rope.prepare(param.device, param.dtype)
         options = None
@@ -183,12 +184,12 @@ class CausalLM(nn.Module):
             rows = meta.outputs.rows
         start = 0
         if meta is None and self._stack_key is not None:  # compiled: the custom op decides at run time
-            x, residual = cpu_stack.decoder_stack_op(x, *ropes[self._layer_types[0]], self._stack_key, last)
+            x, residual = decoder_stack_op(x, *ropes[self._layer_types[0]], self._stack_key, last)
             start = last
         elif kv_caches is not None and self._stackable():
             # Eager on the CPU in float32: the layers before the last as one native call where they qualify
             # (models/cpu_stack.py; the same kernels, the same bits, no Python between them).
-            done = cpu_stack.run_layers(list(self.model.layers[:last]), x, ropes[self._layer_types[0]],
+            done = run_layers(list(self.model.layers[:last]), x, ropes[self._layer_types[0]],
                                         kv_caches[:last], meta)
             if done is not None:
                 (x, residual), start = done, last

@@ -15,6 +15,7 @@ chunking.size replays the same arrivals. A multirun calibrates once and shares t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -51,7 +52,19 @@ class Calibration:
 
 
 def engine_key(eng: Any) -> str:
-    return str(eng.calibration_key)
+    """What a timing of this engine depends on (a stored calibration is reused only for the same): the
+    architecture's shapes, dtype, device, attention backend, compile, torch's threads and the longest
+    sequence (it caps the calibrated prefill). Not the weights' values, which do not change speed."""
+    import torch
+
+    model = eng.config.model
+    parts = {
+        "arch": repr(eng.arch), "dtype": str(eng.dtype), "device": str(eng.device),
+        "backend": model.attention_backend, "threads": torch.get_num_threads(),
+        "max_model_len": eng.max_model_len, "compile": model.compile,
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{model.name}|{digest}"
 
 
 def calibrate(eng: Any) -> Calibration:

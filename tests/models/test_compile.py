@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from tests.conftest import build_tiny_hf_model
-from tests.engine.helpers import GREEDY, hf_greedy, random_prompt
+from tests.engine.helpers import GREEDY, drive, hf_greedy, random_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -88,12 +88,9 @@ def test_one_graph_for_every_width_and_no_compile_inside_steps(tiny_hf_model_dir
     for i, n in enumerate(lengths):
         eng.add_request(random_prompt(n, seed=i), SamplingParams(max_tokens=int(5 + 13 * (i % 5)),
                                                                  temperature=0.0, ignore_eos=True))
-    widths, steps, forwards = set(), 0, 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-        widths.add(eng.last_step.decode_tokens + eng.last_step.prefill_tokens)
-        forwards += eng.last_step.num_forwards
+    ran = drive(eng).steps
+    steps, forwards = len(ran), sum(s.num_forwards for s in ran)
+    widths = {s.decode_tokens + s.prefill_tokens for s in ran}
     assert steps >= 200 and len(widths) >= 5, (steps, widths)
     assert len(calls) == forwards >= steps, "every forward ran through the compiled function"
     assert before >= 1, "no graph was ever compiled: the counter below would not see one either"

@@ -14,6 +14,7 @@ import json
 from typing import ClassVar
 
 from ladle.engine.clock import Clock, VirtualClock
+from ladle.engine.config import EngineConfig, ModelConfig
 from ladle.engine.request import RequestMetrics, RequestOutput, StepStats
 from ladle.engine.sampling_params import SamplingParams
 
@@ -84,7 +85,9 @@ class FakeEngine:
         self.max_waiting = 0  # most requests ever queued (the runner's read-ahead bound shows here)
         self.params_seen: dict[str, SamplingParams] = {}  # request id -> the params it was added with
 
-    calibration_key = "fake"
+    # what runner/calibration.engine_key reads: a fake has no shapes, one fixed key
+    arch, dtype, device = "fake", "float32", "cpu"
+    config = EngineConfig(model=ModelConfig(name="fake"))
 
     def time_forward(self, query_lens: list[int], seq_lens: list[int]) -> float:
         """The stand-in's cost model: step_cost per 32 tokens (what its steps take on the virtual clock)."""

@@ -22,7 +22,7 @@ def test_defaults():
     assert engine_config(job).chunking.size == 16
 
 
-@pytest.mark.parametrize("group", ["cache", "chunking", "workload", "model"])
+@pytest.mark.parametrize("group", ["cache", "chunking", "workload", "model", "experiment"])
 def test_every_group_option_composes(group):
     options = _options(group)
     assert options
@@ -39,8 +39,13 @@ def test_group_options_present():
     assert {"paged", "contiguous"} <= set(_options("cache"))
     assert {"default", "off", "small_chunks", "decode_priority", "one_prefill_at_a_time", "interleave"} <= set(
         _options("chunking"))
-    assert {"sample", "parquet", "hf_dataset", "jsonl", "synthetic", "baseline", "continuous_batching",
-            "paged_attention", "chunked_prefill", "prefix_caching"} <= set(_options("workload"))
+    # data sources in workload/, benchmark scenarios in experiment/, and no scenario among the sources
+    scenarios = {"baseline", "continuous_batching", "paged_attention", "chunked_prefill", "prefix_caching",
+                 "gpu_long_documents"}
+    assert {"sample", "parquet", "arrow", "hf_dataset", "jsonl", "synthetic", "openai_batch"} <= set(_options("workload"))
+    assert scenarios <= set(_options("experiment")) and not scenarios & set(_options("workload"))
+    for name in _options("experiment"):  # a scenario may set any key of the job, so it is global
+        assert (CONF_DIR / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_\n"), name
     job = to_job_config(compose_cfg("chunking=one_prefill_at_a_time"))
     assert job.chunking.max_partial_prefills == 1
     assert to_job_config(compose_cfg("chunking=interleave")).chunking.prefill_interval == 2
@@ -49,11 +54,11 @@ def test_group_options_present():
 
 
 def test_benchmark_workload_shapes():
-    cp = to_job_config(compose_cfg("workload=chunked_prefill")).workload
+    cp = to_job_config(compose_cfg("experiment=chunked_prefill")).workload
     stream, long = cp.synthetic.groups
     assert stream.arrival is None and long.arrival.process == "poisson"
     assert long.min_prompt_len >= 2048 and cp.arrivals.process == "trace"
-    pc = to_job_config(compose_cfg("workload=prefix_caching")).workload.synthetic.groups[0]
+    pc = to_job_config(compose_cfg("experiment=prefix_caching")).workload.synthetic.groups[0]
     assert 1024 <= pc.shared_prefix_len <= 2048 and pc.prompt_len < 256
 
 

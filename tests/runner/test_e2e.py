@@ -123,7 +123,7 @@ def test_bad_rows_become_error_rows(engine, tmp_path):
 
 def test_synthetic_prefix_caching(engine, tmp_path):
     """A shared preamble: later requests find it in the prefix cache; the accounting still adds up."""
-    cfg = compose_cfg("workload=prefix_caching", "workload.synthetic.groups.0.num_requests=6",
+    cfg = compose_cfg("experiment=prefix_caching", "workload.synthetic.groups.0.num_requests=6",
                       "workload.synthetic.groups.0.shared_prefix_len=64", "workload.synthetic.groups.0.max_tokens=4",
                       "workload.arrivals.rate=0.2")  # virtual time: long gaps cost nothing
     result = run_job(cfg, tmp_path, engine=engine)

@@ -1,4 +1,4 @@
-"""The GPU long-document workload (conf/workload/gpu_long_documents.yaml): its shape at full size, and a
+"""The GPU long-document scenario (conf/experiment/gpu_long_documents.yaml): its shape at full size, and a
 run of it on the CPU with the tiny model, scaled down by overrides, so the file keeps composing and running
 wherever the GPU sweep has not run lately."""
 
@@ -12,7 +12,7 @@ from ladle.runner.config import to_job_config
 from ladle.runner.job import run_job
 from tests.runner.conftest import compose_cfg
 
-TINY = ["workload=gpu_long_documents", "workload.synthetic.groups.0.num_requests=4",
+TINY = ["experiment=gpu_long_documents", "workload.synthetic.groups.0.num_requests=4",
         "workload.synthetic.groups.0.max_tokens=40", "workload.synthetic.groups.1.num_requests=2",
         "workload.synthetic.groups.1.prompt_len=300", "workload.synthetic.groups.1.min_prompt_len=200",
         "workload.synthetic.groups.1.max_prompt_len=400", "chunking.size=64", "cache.max_model_len=512"]
@@ -20,7 +20,7 @@ TINY = ["workload=gpu_long_documents", "workload.synthetic.groups.0.num_requests
 
 def test_documents_are_long_enough_to_stall_a_gpu_and_arrive_by_load():
     """8k-32k-token documents with device-calibrated arrivals beside running decode streams."""
-    w = to_job_config(compose_cfg("workload=gpu_long_documents")).workload
+    w = to_job_config(compose_cfg("experiment=gpu_long_documents")).workload
     stream, document = w.synthetic.groups
     assert stream.arrival is None and stream.num_requests >= 32 and stream.max_tokens >= 512
     assert document.min_prompt_len == 8192 and document.max_prompt_len == 32000

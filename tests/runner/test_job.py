@@ -144,11 +144,13 @@ def test_resume_with_another_config_warns(tmp_path, caplog):
     assert "chunking.size: " in caplog.text and "-> 64" in caplog.text
 
 
-@pytest.mark.parametrize("workload", ["synthetic", "baseline", "continuous_batching", "paged_attention",
-                                      "chunked_prefill", "prefix_caching"])
+@pytest.mark.parametrize("workload", ["workload=synthetic", "experiment=baseline", "experiment=continuous_batching",
+                                      "experiment=paged_attention", "experiment=chunked_prefill",
+                                      "experiment=prefix_caching"])
 def test_benchmark_workloads_run(workload, tmp_path):
-    """Each shipped synthetic workload runs whole (on the stand-in engine) with the shape it promises."""
-    cfg = compose_cfg(f"workload={workload}", "max_num_seqs=16")
+    """The synthetic source and each benchmark scenario run whole (on the stand-in engine) with the shape
+    they promise."""
+    cfg = compose_cfg(workload, "max_num_seqs=16")
     eng = FakeEngine(max_num_seqs=16, chunk=512, max_model_len=8192, step_cost=1e-4)
     eng.tokenizer.vocab_size = 256
     result = run_job(cfg, tmp_path, engine=eng)
@@ -160,13 +162,13 @@ def test_benchmark_workloads_run(workload, tmp_path):
         assert r["prompt_tokens"] >= g.min_prompt_len + g.shared_prefix_len
         if g.max_tokens_sigma == 0 and g.max_tokens is not None:
             assert r["output_tokens"] == g.max_tokens  # ignore_eos: every output runs to its length
-    if workload == "chunked_prefill":
+    if workload == "experiment=chunked_prefill":
         long = [r for r in run["rows"] if r["id"].startswith("long-")]
         assert all(2048 <= r["prompt_tokens"] <= 4000 for r in long)
         assert min(r["arrival_s"] for r in long) > 0  # by Poisson (load-based rate), after the streams started
         assert result.summary["arrival_calibration"]["rates_per_s"]["long"] > 0
         assert all(r["arrival_s"] == 0 for r in run["rows"] if r["id"].startswith("stream-"))
-    if workload == "prefix_caching":
+    if workload == "experiment=prefix_caching":
         assert all(r["prompt_tokens"] >= 1536 + 8 for r in run["rows"])
 
 

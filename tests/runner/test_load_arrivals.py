@@ -13,7 +13,7 @@ from ladle.runner.job import run_job
 from ladle.runner.sweep import answers
 from tests.runner.conftest import compose_cfg
 
-FAST_CHUNKED = ["workload=chunked_prefill", "workload.synthetic.groups.0.max_tokens=48",
+FAST_CHUNKED = ["experiment=chunked_prefill", "workload.synthetic.groups.0.max_tokens=48",
                 "workload.synthetic.groups.1.num_requests=3", "workload.synthetic.groups.1.prompt_len=600",
                 "workload.synthetic.groups.1.min_prompt_len=400", "workload.synthetic.groups.1.max_prompt_len=800",
                 "chunking.size=64", "cache.max_model_len=1024"]
@@ -103,15 +103,17 @@ def test_calibration_key_changes_with_what_changes_speed():
     """A sweep over model shape, threads or max_model_len must not reuse another shape's timing."""
     import torch
 
+    from ladle.runner.calibration import engine_key
+
     base = _engine()
     same = _engine("seed=7")  # weights' values do not change speed
-    assert base.calibration_key == same.calibration_key
-    assert _engine("model.architecture.num_hidden_layers=2").calibration_key != base.calibration_key
-    assert _engine("cache.max_model_len=128").calibration_key != base.calibration_key
-    key, threads = base.calibration_key, torch.get_num_threads()
+    assert engine_key(base) == engine_key(same)
+    assert engine_key(_engine("model.architecture.num_hidden_layers=2")) != engine_key(base)
+    assert engine_key(_engine("cache.max_model_len=128")) != engine_key(base)
+    key, threads = engine_key(base), torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert base.calibration_key != key
+        assert engine_key(base) != key
     finally:
         torch.set_num_threads(threads)
 
