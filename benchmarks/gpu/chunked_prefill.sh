@@ -32,10 +32,10 @@ step() {  # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.txt,
 sweep() {  # sweep MODEL LIMIT: chunk sizes 256..2048 and unchunked on the long-document workload
   local model=$1 limit=$2 dir=/tmp/sweep-$1
   step "sweep-$model" "$limit" $PY -m ladle --multirun model="$model" model.random_weights=true \
-    workload=gpu_long_documents cache.max_model_len=32800 output.progress=false \
+    experiment=gpu_long_documents cache.max_model_len=32800 output.progress=false \
     chunking.size=256,512,1024,2048 hydra.sweep.dir="$dir"
   step "sweep-$model-off" $((limit / 3)) $PY -m ladle model="$model" model.random_weights=true \
-    workload=gpu_long_documents cache.max_model_len=32800 output.progress=false chunking=off \
+    experiment=gpu_long_documents cache.max_model_len=32800 output.progress=false chunking=off \
     hydra.run.dir="$dir/off"
   cat "$dir/sweep.md" "$dir/off/summary.json" >>"$OUT/sweep-$model.txt" 2>&1
 }
