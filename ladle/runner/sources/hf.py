@@ -14,6 +14,8 @@ from ladle.runner.sources.shard import Shard
 
 HF_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "csv",
                ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+# A file's builder options its extension implies, as datasets pairs them for a directory: `.tsv` is tab-separated.
+HF_BUILDER_OPTIONS = {(".tsv", "csv"): {"sep": "\t"}}
 
 
 class HFDatasetSource(Source):
@@ -34,7 +36,8 @@ class HFDatasetSource(Source):
             builder = workload.hf_builder or (HF_BUILDERS.get(p.suffix.lower()) if p.is_file() else None)
             try:
                 if builder:
-                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True)
+                    options = HF_BUILDER_OPTIONS.get((p.suffix.lower(), builder), {})
+                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True, **options)
                 else:
                     ds = datasets.load_dataset(str(p), split=split, streaming=True)
             except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
