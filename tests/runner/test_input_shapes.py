@@ -1,10 +1,16 @@
-"""Input files in the shapes other tools write them: tab-separated text read by hf_dataset."""
+"""Input files in the shapes other tools write them: tab-separated text read by hf_dataset, compressed
+JSON Lines."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
+
+import pyarrow as pa
 import pytest
 
-from ladle.runner.config import WorkloadConfig
+from ladle.runner.config import ConfigError, WorkloadConfig
 from ladle.runner.sources import open_source
 
 
@@ -19,3 +25,64 @@ def test_a_tsv_file_is_read_tab_separated(tmp_path, builder):
     path.write_text("prompt\tid\nhello, world\t7\nbonjour\t8\n")
     w = WorkloadConfig(kind="hf_dataset", path=str(path), id_column="id", hf_builder=builder)
     assert rows_of(open_source(w)) == [(0, "7", "hello, world", None), (1, "8", "bonjour", None)]
+
+
+LINES = b'{"id": "a", "prompt": "hello"}\n\n{"id": "b", "prompt": "bonjour"}\n'
+
+
+def write_zstd(path, data: bytes) -> None:
+    with pa.CompressedOutputStream(str(path), "zstd") as out:
+        out.write(data)
+
+
+COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+
+
+def write_compressed(path, data: bytes) -> None:
+    if path.suffix == ".zst":
+        write_zstd(path, data)
+    else:
+        path.write_bytes(COMPRESS[path.suffix](data))
+
+
+@pytest.mark.parametrize("ext", [".gz", ".bz2", ".xz", ".zst"])
+@pytest.mark.parametrize("kind", ["jsonl", "openai_batch"])
+def test_compressed_jsonl_is_read_decompressed(tmp_path, ext, kind):
+    """Before, `.jsonl.gz` was read as raw bytes: "no columns", nothing said of the compression."""
+    path = tmp_path / f"data.jsonl{ext}"
+    if kind == "jsonl":
+        write_compressed(path, LINES)
+        w = WorkloadConfig(kind="jsonl", path=str(path), id_column="id")
+        assert rows_of(open_source(w)) == [(0, "a", "hello", None), (1, "b", "bonjour", None)]
+        return
+    body = b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n'
+    write_compressed(path, body)
+    assert [(r.id, r.prompt) for b in open_source(WorkloadConfig(kind="openai_batch", path=str(path))).batches()
+            for r in b] == [("r1", "hi")]
+
+
+def test_a_directory_mixes_plain_and_compressed_files(tmp_path):
+    (tmp_path / "0.jsonl").write_bytes(b'{"prompt": "p0"}\n')
+    write_compressed(tmp_path / "1.jsonl.gz", b'{"prompt": "p1"}\n')
+    write_compressed(tmp_path / "2.ndjson.zst", b'{"prompt": "p2"}\n')
+    (tmp_path / "stats.txt.gz").write_bytes(gzip.compress(b"not data"))
+    w = WorkloadConfig(kind="jsonl", path=str(tmp_path))
+    assert [r[2] for r in rows_of(open_source(w))] == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize("compress,named", [(gzip.compress, "gzip.*data.jsonl.gz"), (lzma.compress, "xz.*data.jsonl.xz"),
+                                            (bz2.compress, "bz2.*data.jsonl.bz2")])
+def test_a_compressed_file_whose_name_does_not_say_so_is_refused_naming_the_fix(tmp_path, compress, named):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(compress(LINES))
+    with pytest.raises(ConfigError, match=f"is {named}"):
+        open_source(WorkloadConfig(kind="jsonl", path=str(path)))
+
+
+@pytest.mark.parametrize("ext", [".gz", ".xz", ".zst"])
+def test_cut_off_compressed_data_is_a_config_error_before_any_row(tmp_path, ext):
+    path = tmp_path / f"data.jsonl{ext}"
+    write_compressed(path, LINES * 200)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ConfigError, match="could not be decompressed.*cut off or corrupt"):
+        open_source(WorkloadConfig(kind="jsonl", path=str(path)))

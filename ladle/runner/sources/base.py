@@ -166,10 +166,11 @@ def resolve_path(path: str) -> Path:
 
 
 def find_files(p: Path, suffixes: tuple[str, ...], kind: str) -> list[Path]:
-    """`p` itself, or the files under it with these suffixes (hidden and `_` ones left out), sorted."""
+    """`p` itself, or the files under it whose names end with one of these suffixes (`.jsonl.gz` counts as
+    one; hidden and `_` ones left out), sorted."""
     if p.is_file():
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(suffixes)
                    and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
     if not files:
         raise ConfigError(f"workload.path={str(p)!r} has no {'/'.join(suffixes)} files for workload.kind={kind}")
