@@ -8,10 +8,14 @@ import gzip
 import lzma
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ladle.runner.config import ConfigError, WorkloadConfig
+from ladle.runner.job import run_job
 from ladle.runner.sources import open_source
+from tests.runner.conftest import compose_cfg
+from tests.runner.fake_engine import FakeEngine
 
 
 def rows_of(source) -> list[tuple]:
@@ -86,3 +90,31 @@ def test_cut_off_compressed_data_is_a_config_error_before_any_row(tmp_path, ext)
     path.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(ConfigError, match="could not be decompressed.*cut off or corrupt"):
         open_source(WorkloadConfig(kind="jsonl", path=str(path)))
+
+
+def test_integer_ids_pandas_stored_as_floats_are_written_as_integers(tmp_path):
+    """An int id column with a missing value is float64 in pandas' Parquet: before, ids were "101.0"."""
+    import pandas as pd
+
+    path = tmp_path / "data.parquet"
+    pd.DataFrame({"id": [101, None, 103, 2**53], "prompt": ["a", "b", "c", "d"]}).to_parquet(path)
+    assert pq.read_schema(path).field("id").type == pa.float64()
+    run_job(compose_cfg("workload=parquet", f"workload.path={path}", "workload.id_column=id"), tmp_path / "out",
+            engine=FakeEngine())
+    got = sorted((r["index"], r["id"], r["error"] is None) for r in pq.read_table(tmp_path / "out" /
+                                                                                  "generations.parquet").to_pylist())
+    assert got == [(0, "101", True), (1, None, False), (2, "103", True), (3, str(2**53), True)]
+
+
+def test_a_whole_number_float_id_is_the_same_id_as_the_integer(tmp_path):
+    """JSON's 7.0 and 7 name one id (the second is a repeat); 7.5 and a string stay as they are."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"id": 7, "prompt": "a"}\n{"id": 7.0, "prompt": "b"}\n{"id": 7.5, "prompt": "c"}\n'
+                    '{"id": "7.0", "prompt": "d"}\n{"id": -0.0, "prompt": "e"}\n{"id": 1e300, "prompt": "f"}\n')
+    rows = rows_of(open_source(WorkloadConfig(kind="jsonl", path=str(path), id_column="id")))
+    assert [r[1] for r in rows] == ["7", "7", "7.5", "7.0", "0", str(int(1e300))]
+    run_job(compose_cfg("workload=jsonl", f"workload.path={path}", "workload.id_column=id"), tmp_path / "out",
+            engine=FakeEngine())
+    errors = {r["index"]: r["error"] for r in pq.read_table(tmp_path / "out" / "generations.parquet").to_pylist()}
+    assert errors[0] is None and errors[1] == "duplicate id '7' in column 'id'"
+    assert [errors[i] for i in range(2, 6)] == [None] * 4

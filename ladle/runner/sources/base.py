@@ -127,7 +127,15 @@ def row_id(value: Any, index: int, id_column: str | None) -> str | None:
     is None (the row's error, `null_id_error`): the index would take an id another row may hold."""
     if not id_column:
         return str(index)
-    return None if is_null_id(value) else str(value)
+    return None if is_null_id(value) else id_text(value)
+
+
+def id_text(value: Any) -> str:
+    """An id value as text. A whole-number float is the integer: pandas stores an integer column with a
+    missing value as float64, and "101.0" would no longer join back to the source's 101."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def is_null_id(value: Any) -> bool:
