@@ -31,6 +31,16 @@ def test_a_tsv_file_is_read_tab_separated(tmp_path, builder):
     assert rows_of(open_source(w)) == [(0, "7", "hello, world", None), (1, "8", "bonjour", None)]
 
 
+@pytest.mark.parametrize("name,data,want", [
+    ("data.tsv.gz", b"prompt\tid\nhello, world\t7\n", [(0, "7", "hello, world", None)]),
+    ("data.jsonl.gz", b'{"prompt": "hi", "id": "a"}\n', [(0, "a", "hi", None)]),
+])
+def test_hf_dataset_picks_the_builder_under_a_compression_extension(tmp_path, name, data, want):
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data))
+    assert rows_of(open_source(WorkloadConfig(kind="hf_dataset", path=str(path), id_column="id"))) == want
+
+
 LINES = b'{"id": "a", "prompt": "hello"}\n\n{"id": "b", "prompt": "bonjour"}\n'
 
 

@@ -30,6 +30,14 @@ def with_compressions(suffixes: tuple[str, ...]) -> tuple[str, ...]:
     return suffixes + tuple(s + c for s in suffixes for c in CODECS)
 
 
+def data_suffix(path: Path) -> str:
+    """The extension naming the data's format, under a compression's: `.jsonl` for `data.jsonl.gz`."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in CODECS:
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
 def sniffed(head: bytes) -> str | None:
     """The compression format these first bytes of a file are in, if any."""
     if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] == b"1AY&SY":
