@@ -96,14 +96,15 @@ def write_parquet(d: Path, rows) -> list[str]:
 def write_parquet_dir(d: Path, rows) -> list[str]:
     """The rows as a directory dataset as pandas and Spark write one: hive partitions (`part=k/`, read as
     the class column), parts whose schemas differ (a column with no value in a part is Arrow null there,
-    as pandas writes an all-None column), and stray files that are not data."""
+    as pandas writes an all-None column; the first part's integers int32 where they fit, the second's
+    int64), and stray files that are not data."""
     table, root = parquet_table(rows), d / "ds"
     half = (len(rows) + 1) // 2
     for k, part in enumerate((table.slice(0, half), table.slice(half))):
         if not part.num_rows:
             continue
         cols = {n: pa.nulls(part.num_rows) if part.column(n).null_count == part.num_rows and n != "prompt"
-                else part.column(n) for n in part.column_names}
+                else _narrowed(part.column(n)) if k == 0 else part.column(n) for n in part.column_names}
         (root / f"part={k}").mkdir(parents=True)
         pq.write_table(pa.table(cols), root / f"part={k}" / "part-0.parquet")
     (root / "_SUCCESS").write_text("")
@@ -111,6 +112,13 @@ def write_parquet_dir(d: Path, rows) -> list[str]:
     (root / "part=0" / ".part-0.parquet.crc").write_bytes(b"\x00crc")
     return ["workload=parquet", f"workload.path={root}", "workload.id_column=id", "workload.class_column=part",
             columns(KEYS)]
+
+
+def _narrowed(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """An int64 column as int32 when its values fit (a part written by a tool that chose the narrower type)."""
+    if col.type == pa.int64() and all(v is None or -2**31 <= v < 2**31 for v in col.to_pylist()):
+        return col.cast(pa.int32())
+    return col
 
 
 def parquet_table(rows) -> pa.Table:
