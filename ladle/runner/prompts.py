@@ -1,7 +1,7 @@
 """A row's prompt as token ids, or the reason it cannot be one.
 
-A prompt is text (str), chat messages (a list of {role, content}; the tokenizer's chat template is
-applied) or token ids (a list of int). A null, empty or wrongly typed prompt, or one the tokenizer or
+A prompt is text (str), chat messages (a list of {role, content, ...} in OpenAI's shapes, runner/chat.py;
+the tokenizer's chat template is applied) or token ids (a list of int). A null, empty or wrongly typed prompt, or one the tokenizer or
 template fails on, becomes an error message for the row's output: one bad row never stops the job.
 """
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ladle.runner.chat import chat_messages
 
 
 @dataclass(slots=True)
@@ -33,15 +35,6 @@ def _kind_of(value: Any) -> str | None:
         if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
             return "tokens"
     return None
-
-
-def _messages(value: list) -> list[dict[str, str]]:
-    msgs = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise TypeError(f"message {i} is not a {{role: str, content: str}} object: {m!r:.80}")
-        msgs.append({"role": m["role"], "content": m["content"]})
-    return msgs
 
 
 def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, column: str,
@@ -67,8 +60,9 @@ def encode_prompt(value: Any, fmt: str, tokenizer: Any, chat_template: bool, col
                 raise ValueError("token ids must all be integers")
             return Encoded(ids, None)
         if kind == "chat":
-            msgs = _messages(list(value))
-            return Encoded(list(tokenizer.apply_chat_template(msgs, **kw)), json.dumps(msgs, ensure_ascii=False))
+            msgs = chat_messages(list(value))  # each message whole, text parts joined (runner/chat.py)
+            text = json.dumps(msgs, ensure_ascii=False, default=str)
+            return Encoded(list(tokenizer.apply_chat_template(msgs, **kw)), text)
         if chat_template:
             return Encoded(list(tokenizer.apply_chat_template([{"role": "user", "content": value}], **kw)), value)
         return Encoded(list(tokenizer.encode(value)), value)

@@ -1,4 +1,5 @@
-"""Fuzz the whole job: generated JSONL, Parquet and OpenAI batch files with hostile strings, ids,
+"""Fuzz the whole job: generated JSONL, Parquet (a file, and a directory of partitioned parts with mixed
+schemas and stray files) and OpenAI batch files with hostile strings, ids,
 schemas and sampling values, run in-process on the tiny model, each interrupted once and resumed.
 
 Every run ends as the CLI's exit 0 (run_job returns) or 2 (ConfigError), never 1 (any other exception);
@@ -88,6 +89,39 @@ def _b(s: str | None) -> bytes | None:
 
 
 def write_parquet(d: Path, rows) -> list[str]:
+    pq.write_table(parquet_table(rows), d / "in.parquet")
+    return ["workload=parquet", f"workload.path={d / 'in.parquet'}", "workload.id_column=id", columns(KEYS)]
+
+
+def write_parquet_dir(d: Path, rows) -> list[str]:
+    """The rows as a directory dataset as pandas and Spark write one: hive partitions (`part=k/`, read as
+    the class column), parts whose schemas differ (a column with no value in a part is Arrow null there,
+    as pandas writes an all-None column; the first part's integers int32 where they fit, the second's
+    int64), and stray files that are not data."""
+    table, root = parquet_table(rows), d / "ds"
+    half = (len(rows) + 1) // 2
+    for k, part in enumerate((table.slice(0, half), table.slice(half))):
+        if not part.num_rows:
+            continue
+        cols = {n: pa.nulls(part.num_rows) if part.column(n).null_count == part.num_rows and n != "prompt"
+                else _narrowed(part.column(n)) if k == 0 else part.column(n) for n in part.column_names}
+        (root / f"part={k}").mkdir(parents=True)
+        pq.write_table(pa.table(cols), root / f"part={k}" / "part-0.parquet")
+    (root / "_SUCCESS").write_text("")
+    (root / "stats.json").write_text(json.dumps({"rows": len(rows)}))
+    (root / "part=0" / ".part-0.parquet.crc").write_bytes(b"\x00crc")
+    return ["workload=parquet", f"workload.path={root}", "workload.id_column=id", "workload.class_column=part",
+            columns(KEYS)]
+
+
+def _narrowed(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """An int64 column as int32 when its values fit (a part written by a tool that chose the narrower type)."""
+    if col.type == pa.int64() and all(v is None or -2**31 <= v < 2**31 for v in col.to_pylist()):
+        return col.cast(pa.int32())
+    return col
+
+
+def parquet_table(rows) -> pa.Table:
     """Typed columns (a Parquet column holds one type: other values are null), strings as raw bytes."""
     col = {k: [s.get(k) for _, _, s in rows] for k in KEYS}
     table = {"prompt": pa.array([_b(p) if isinstance(p, str) else None for p, _, _ in rows], pa.binary()),
@@ -104,8 +138,7 @@ def write_parquet(d: Path, rows) -> list[str]:
         else:
             table[k] = pa.array([v if v is not None and -2**63 <= v < 2**63 else None for v in _typed(col[k], int)],
                                 pa.int64())
-    pq.write_table(pa.table({k: _as_strings(v) for k, v in table.items()}), d / "in.parquet")
-    return ["workload=parquet", f"workload.path={d / 'in.parquet'}", "workload.id_column=id", columns(KEYS)]
+    return pa.table({k: _as_strings(v) for k, v in table.items()})
 
 
 def _as_strings(arr: pa.Array) -> pa.Array:
@@ -137,13 +170,14 @@ def write_batch(d: Path, rows) -> list[str]:
     return ["workload=openai_batch", f"workload.path={d / 'in.jsonl'}"]
 
 
-WRITERS = {"jsonl": write_jsonl, "parquet": write_parquet, "openai_batch": write_batch}
+WRITERS = {"jsonl": write_jsonl, "parquet": write_parquet, "parquet_dir": write_parquet_dir,
+           "openai_batch": write_batch}
 
 
 def asked_n(kind: str, s: dict[str, Any]) -> int:
     """The samples a row asks for (1 when its n cannot be used); Parquet's int column keeps ints only."""
     n = s.get("n")
-    if kind == "parquet" and (not isinstance(n, int) or isinstance(n, bool)):
+    if kind in ("parquet", "parquet_dir") and (not isinstance(n, int) or isinstance(n, bool)):
         return 1
     if isinstance(n, float) and math.isfinite(n) and n.is_integer():
         n = int(n)
@@ -165,6 +199,9 @@ def check_outputs(kind: str, out: Path, rows, first: list[dict[str, Any]]) -> No
         assert len(ks) in (1, asked_n(kind, s)), (i, ks, s)
         if len(ks) == 1 and asked_n(kind, s) > 1:
             assert got[i][0]["finish_reason"] == "error", "one row for n samples: the request's error"
+    if kind == "parquet_dir":  # the partition key is a column: each row's class is its part's
+        half = (len(rows) + 1) // 2
+        assert all(r["class"] == str(int(i >= half)) for i, rs in got.items() for r in rs), got
     final = {(r["id"], r["index"], r["sample_index"]): r for rs in got.values() for r in rs}
     for r in first:  # nothing the interrupted attempt wrote is lost or changed
         kept = final[(r["id"], r["index"], r["sample_index"])]
@@ -184,6 +221,8 @@ def run_and_resume(engine, kind: str, rows, steps: int) -> None:
         try:
             first = run_job(cfg, out, engine=InterruptAfter(engine, steps))
         except ConfigError as e:  # exit 2: a config the user must fix (e.g. an unusable column type)
+            # A directory's parts are typed as the single file's are: nothing in them for the user to fix.
+            assert kind != "parquet_dir", e
             event(f"config error: {str(e)[:60]}")
             return
         event("interrupted" if first.interrupted else "ran")

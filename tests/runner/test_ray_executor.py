@@ -114,7 +114,7 @@ def test_a_replica_that_keeps_dying_fails_the_job_and_a_rerun_resumes(mixed_parq
     cfg = compose_cfg(*_args(mixed_parquet), *RAY, "output.row_group_size=4", "executor.max_restarts=0")
     with pytest.raises(RuntimeError, match=r"replica 1: its actor died more than executor.max_restarts=0 times\. "
                                            r"The 100 rows written so far are in .*generations.parquet; the same "
-                                           r"command resumes: python -m ladle"):
+                                           r"command resumes: \S*python\S* -m ladle"):
         run_job(cfg, tmp_path)
     # replica 0 finished its share (Ray Data went on without replica 1's block) and was merged
     written, n = _by_id(tmp_path / "generations.parquet")
@@ -225,3 +225,50 @@ def test_n_samples_and_logprobs_through_the_merge_when_a_replica_wrote_only_erro
     s = result.summary
     assert (s["requests"], s["samples"], s["completed"], s["errors"]) == (8, 12, 4, 4)
     assert s["latency_s"]["ttft"]["count"] == 8 and [r["requests"] for r in s["replicas"]] == [4, 4]
+
+
+def _files(out):
+    """Every file of a run directory but the lock, with its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != ".ladle.lock"}
+
+
+def test_starting_over_keeps_the_previous_output_until_the_new_replicas_wrote(mixed_parquet, tmp_path):
+    """output.resume=false: an attempt whose replicas fail before writing leaves every previous file as it
+    was (before, the replicas' and the merged files were cleared at the start: the rows were lost); one that
+    completes replaces them, the staging directory gone."""
+    out = tmp_path / "out"
+    run_job(compose_cfg(*_args(mixed_parquet, "workload.limit=30"), *RAY), out)
+    before = _files(out)
+    assert any(k.startswith("replicas/r1/") for k in before) and before["generations.parquet"]
+    failing = compose_cfg(*_args(mixed_parquet), *RAY, "output.resume=false", f"model.path={tmp_path / 'none'}")
+    with pytest.raises(ConfigError, match=r"in a replica: .*previous output in .* is kept as it was"):
+        run_job(failing, out)
+    assert _files(out) == before and not (out / ".start_over").exists()
+    result = run_job(compose_cfg(*_args(mixed_parquet, "workload.limit=50"), *RAY, "output.resume=false"), out)
+    got, n = _by_id(result.files["generations"])
+    assert n == len(got) == 50 and {r["attempt"] for r in got.values()} == {0}  # a fresh run, not a resume
+    assert not (out / ".start_over").exists()
+    assert json.loads((out / "replicas" / "routing.json").read_text()) == Routing(2, 20).as_dict()
+    for k in (0, 1):  # the replicas' own files are this attempt's (a resume continues from them)
+        assert pq.read_table(out / "replicas" / f"r{k}" / "generations.parquet").num_rows == \
+            Routing(2, 20).share_size(k, 50)
+
+
+def test_a_start_over_interrupted_before_any_replica_wrote_keeps_the_previous_output(tmp_path):
+    """Ctrl-C while the replicas' models load: nothing of the new attempt reaches the run directory."""
+    from ladle.runner.executors import start_over
+    from ladle.runner.executors.ray import _settle_start_over
+
+    (tmp_path / "replicas" / "r0").mkdir(parents=True)
+    (tmp_path / "replicas" / "r0" / "generations.parquet").write_bytes(b"old rows")
+    (tmp_path / "generations.parquet").write_bytes(b"old merged rows")
+    before = _files(tmp_path)
+    (start_over.begin(tmp_path) / "replicas" / "r0").mkdir(parents=True)
+    with pytest.raises(KeyboardInterrupt):
+        _settle_start_over(tmp_path, {}, [], True)
+    assert _files(tmp_path) == before
+    (start_over.begin(tmp_path) / "replicas" / "r1").mkdir(parents=True)
+    (tmp_path / ".start_over" / "replicas" / "r1" / "generations.parquet").write_bytes(b"new rows")
+    _settle_start_over(tmp_path, {0: "its actor died"}, [], False)  # a replica wrote: the attempt replaces
+    assert _files(tmp_path) == {"replicas/r1/generations.parquet": b"new rows"}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ladle.runner.config import ConfigError, JobConfig
+from ladle.runner.executors import start_over
 from ladle.runner.executors.base import Executor, Ran, try_plot
 from ladle.runner.executors.checks import check_resources, connect, describe_cluster
 from ladle.runner.executors.replica import CRASH_ENV, Replica, replica_cfg
@@ -38,7 +38,7 @@ from ladle.runner.executors.replica_files import (
 )
 from ladle.runner.executors.shards import duplicate_indices
 from ladle.runner.resume import resume_command
-from ladle.runner.sinks import GENERATIONS, STEPS
+from ladle.runner.sinks import GENERATIONS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.sources.shard import Routing
 
@@ -56,10 +56,8 @@ class Ray(Executor):
         out = out.resolve()
         out.mkdir(parents=True, exist_ok=True)
         source = open_source(job.workload)  # checks the path and columns before Ray starts; the driver reads no rows
-        if not job.output.resume:  # start over: no replica's earlier rows may reach the merge
-            shutil.rmtree(out / "replicas", ignore_errors=True)
-            for name in (GENERATIONS, STEPS):
-                (out / name).unlink(missing_ok=True)
+        if job.output.resume:
+            start_over.drop_stale(out)
         routing = Routing(ex.num_replicas, ex.batch_size)
         check_routing(out, job, routing)
         ks = _replicas_with_rows(source, routing)
@@ -69,12 +67,16 @@ class Ray(Executor):
         log.info("executor=ray: %d replicas (%s) on %s", len(ks), routing.as_dict(), describe_cluster())
 
         wall0 = time.perf_counter()
-        pin_routing(out, routing)
+        # Starting over: the replicas write apart, and the previous output stays until they have written.
+        root = out if job.output.resume else start_over.begin(out)
+        pin_routing(root, routing)
         failures: dict[int, str] = {}  # replica -> why it did not finish
         config_errors: list[str] = []
         interrupted = False
         if ks:
-            failures, config_errors, interrupted = _launch(cfg, job, out, routing, ks, duplicates)
+            failures, config_errors, interrupted = _launch(cfg, job, root, routing, ks, duplicates)
+        if root != out:
+            _settle_start_over(out, failures, config_errors, interrupted)
         merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
         replicas = replica_summaries(out, ks)
         resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
@@ -149,6 +151,23 @@ def _launch(cfg: DictConfig, job: JobConfig, out: Path, routing: Routing, ks: li
         for k in set(ks) - returned:
             failures[k] = f"its actor died more than executor.max_restarts={ex.max_restarts} times"
     return failures, config_errors, interrupted
+
+
+def _settle_start_over(out: Path, failures: dict[int, str], config_errors: list[str], interrupted: bool) -> None:
+    """The staged attempt replaces the previous output once it is complete or a replica of it wrote; else it
+    is dropped and the run ends as one that failed before writing (the previous output as it was)."""
+    if not (failures or config_errors or interrupted) or start_over.wrote(out):
+        start_over.adopt(out)
+        return
+    start_over.drop_stale(out)
+    kept = f"no replica wrote a row, and the previous output in {out} is kept as it was"
+    if config_errors:
+        raise ConfigError(f"in a replica: {config_errors[0]} ({kept})")
+    if interrupted:
+        log.warning("interrupted: %s", kept)
+        raise KeyboardInterrupt
+    why = "; ".join(f"replica {k}: {msg}" for k, msg in sorted(failures.items()))
+    raise RuntimeError(f"executor=ray: {why}. {kept[0].upper()}{kept[1:]}")
 
 
 def _note(r: dict[str, Any]) -> str:

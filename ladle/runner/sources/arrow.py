@@ -1,9 +1,10 @@
-"""Parquet (a file or a directory, through pyarrow.dataset) and Arrow IPC files, memory-mapped."""
+"""Parquet (a file or a directory of parts, through pyarrow.dataset) and Arrow IPC files, memory-mapped."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -15,6 +16,7 @@ from ladle.runner.sources.columns import (
     column_batches,
     trace_order_columns,
 )
+from ladle.runner.sources.parquet_files import open_dataset, partition_values
 from ladle.runner.sources.rows import Row
 from ladle.runner.sources.shard import Shard
 from ladle.runner.sources.utf8 import pylist
@@ -23,20 +25,19 @@ ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 
 class ParquetSource(Source):
-    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
-        import pyarrow.dataset as ds
+    """A Parquet file or a directory of parts (sources/parquet_files.py: data files only, one unified
+    schema, hive partition keys as columns), read through pyarrow.dataset."""
 
+    def __init__(self, workload: WorkloadConfig, arrival_column: str | None, shard: Shard | None = None) -> None:
         super().__init__(workload, arrival_column, shard)
-        p = resolve_path(workload.path)
-        try:
-            self.dataset = ds.dataset(str(p), format="parquet")
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ConfigError(f"workload.path={workload.path!r} is not readable as Parquet: {e}") from None
+        self.dataset = open_dataset(resolve_path(workload.path), workload.path)
         self.check_columns(self.dataset.schema.names, repr(workload.path))
         self.check_column_types(self.dataset.schema, repr(workload.path))
-        if len(self.dataset.files) > 1:  # the dataset's schema is the first file's: check each file's own
+        self.partitions = {str(frag.path): partition_values(frag) for frag in self.dataset.get_fragments()}
+        if len(self.partitions) > 1:  # a part may lack a column the others have: check each part's own
             for frag in self.dataset.get_fragments():
-                check_required_columns(workload, arrival_column, frag.physical_schema.names, repr(frag.path))
+                names = [*frag.physical_schema.names, *self.partitions[str(frag.path)]]
+                check_required_columns(workload, arrival_column, names, repr(frag.path))
                 self.check_column_types(frag.physical_schema, repr(frag.path))
         if arrival_column is not None:
             cols = trace_order_columns(workload)
@@ -56,7 +57,7 @@ class ParquetSource(Source):
         """Only the row groups holding a row of the shard (row counts come from the footers)."""
         import pyarrow.parquet as pq
 
-        limit, bs, cols = self.workload.limit, self.workload.batch_size, self.columns
+        limit = self.workload.limit
         offset = 0  # global index of the row group's first row, in the order the scanner reads
         for frag in self.dataset.get_fragments():
             pf = pq.ParquetFile(frag.path)
@@ -64,16 +65,23 @@ class ParquetSource(Source):
                 n = pf.metadata.row_group(rg).num_rows
                 end = offset + n if limit is None else min(offset + n, limit)
                 if shard.routing.owns_any(shard.k, offset, end):
-                    start = offset
-                    have = [c for c in cols if c in pf.schema_arrow.names]  # a file without an optional column
-                    for b in pf.iter_batches(batch_size=bs, row_groups=[rg], columns=have, use_threads=False):
-                        values = {c: pylist(b.column(c)) if c in have else [None] * b.num_rows for c in cols}
-                        rows = self.rows_from_columns(values, start)
-                        start += b.num_rows
+                    for rows in self._row_group_rows(pf, rg, offset, str(frag.path)):
                         yield [r for r in rows if limit is None or r.index < limit]
                 offset += n
                 if limit is not None and offset >= limit:
                     return
+
+    def _row_group_rows(self, pf: Any, rg: int, start: int, path: str) -> Iterator[list[Row]]:
+        """One row group's rows, each column as the whole dataset types it (a part's partition key from its
+        directory; a column the part lacks is null), numbered from `start`."""
+        cols, schema, keys = self.columns, self.dataset.schema, self.partitions[path]
+        have = [c for c in cols if c in pf.schema_arrow.names]
+        for b in pf.iter_batches(batch_size=self.workload.batch_size, row_groups=[rg], columns=have,
+                                 use_threads=False):
+            values = {c: pylist(b.column(c).cast(schema.field(c).type)) if c in have
+                      else [keys.get(c)] * b.num_rows for c in cols}
+            yield self.rows_from_columns(values, start)
+            start += b.num_rows
 
 
 class ArrowSource(Source):

@@ -127,7 +127,15 @@ def row_id(value: Any, index: int, id_column: str | None) -> str | None:
     is None (the row's error, `null_id_error`): the index would take an id another row may hold."""
     if not id_column:
         return str(index)
-    return None if is_null_id(value) else str(value)
+    return None if is_null_id(value) else id_text(value)
+
+
+def id_text(value: Any) -> str:
+    """An id value as text. A whole-number float is the integer: pandas stores an integer column with a
+    missing value as float64, and "101.0" would no longer join back to the source's 101."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def is_null_id(value: Any) -> bool:
@@ -166,10 +174,11 @@ def resolve_path(path: str) -> Path:
 
 
 def find_files(p: Path, suffixes: tuple[str, ...], kind: str) -> list[Path]:
-    """`p` itself, or the files under it with these suffixes (hidden and `_` ones left out), sorted."""
+    """`p` itself, or the files under it whose names end with one of these suffixes (`.jsonl.gz` counts as
+    one; hidden and `_` ones left out), sorted."""
     if p.is_file():
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(suffixes)
                    and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
     if not files:
         raise ConfigError(f"workload.path={str(p)!r} has no {'/'.join(suffixes)} files for workload.kind={kind}")

@@ -9,11 +9,14 @@ from typing import Any
 from ladle.runner.config import ConfigError, WorkloadConfig
 from ladle.runner.sources.base import Source, limit_total, resolve_path
 from ladle.runner.sources.columns import check_trace_order, column_batches, trace_order_columns
+from ladle.runner.sources.compressed import data_suffix
 from ladle.runner.sources.rows import Row
 from ladle.runner.sources.shard import Shard
 
 HF_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "csv",
                ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+# A file's builder options its extension implies, as datasets pairs them for a directory: `.tsv` is tab-separated.
+HF_BUILDER_OPTIONS = {(".tsv", "csv"): {"sep": "\t"}}
 
 
 class HFDatasetSource(Source):
@@ -31,10 +34,12 @@ class HFDatasetSource(Source):
             names = list(ds.column_names)
         else:
             split = workload.split or "train"
-            builder = workload.hf_builder or (HF_BUILDERS.get(p.suffix.lower()) if p.is_file() else None)
+            suffix = data_suffix(p)  # datasets decompresses data files by their extension (.jsonl.gz)
+            builder = workload.hf_builder or (HF_BUILDERS.get(suffix) if p.is_file() else None)
             try:
                 if builder:
-                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True)
+                    options = HF_BUILDER_OPTIONS.get((suffix, builder), {})
+                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True, **options)
                 else:
                     ds = datasets.load_dataset(str(p), split=split, streaming=True)
             except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters

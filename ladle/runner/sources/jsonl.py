@@ -22,11 +22,12 @@ from ladle.runner.sources.base import (
     row_id,
 )
 from ladle.runner.sources.columns import check_trace_order, trace_order_columns
+from ladle.runner.sources.compressed import open_lines, with_compressions
 from ladle.runner.sources.rows import Row, batched, klass
 from ladle.runner.sources.shard import Shard
 from ladle.runner.text import TooDeep, load_json
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+JSONL_SUFFIXES = with_compressions((".jsonl", ".json", ".ndjson"))  # also .jsonl.gz, .json.zst, ...
 
 
 @dataclass(slots=True)
@@ -38,10 +39,10 @@ class Line:
 
 
 def read_lines(files: list[Path], limit: int | None = None) -> Iterator[Line]:
-    """Every non-blank line of the files, in order, at most `limit` of them."""
+    """Every non-blank line of the files (decompressed by their extension), in order, at most `limit` of them."""
     index = 0
     for f in files:
-        with open(f, "rb") as fh:
+        with open_lines(f) as fh:
             for lineno, raw in enumerate(fh, 1):
                 if not raw.strip():
                     continue
@@ -54,7 +55,7 @@ def read_lines(files: list[Path], limit: int | None = None) -> Iterator[Line]:
 def count_lines(files: list[Path]) -> int:
     n = 0
     for f in files:
-        with open(f, "rb") as fh:
+        with open_lines(f) as fh:
             n += sum(1 for raw in fh if raw.strip())
     return n
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle.engine.sampling_params import SamplingParams
+from ladle.runner.chat import BadMessage, chat_messages
 from ladle.runner.config import WorkloadConfig
 from ladle.runner.sources.base import Source, limit_total, row_failure
 from ladle.runner.sources.jsonl import count_lines, jsonl_files, read_lines
@@ -53,22 +54,12 @@ class BatchLine:
     echo: bool = False  # completions: the prompt goes before the completion (and its logprobs)
 
 
-def _content(m: Any, i: int) -> dict[str, str]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise BadLine(f"body.messages[{i}] is not a {{role, content}} object")
-    c = m.get("content")
-    if isinstance(c, list):  # content parts: only text parts can be run
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadLine(f"body.messages[{i}].content has a part that is not text: {part!r:.80}")
-            texts.append(part["text"])
-        c = "".join(texts)
-    if c is None:
-        c = ""
-    if not isinstance(c, str):
-        raise BadLine(f"body.messages[{i}].content must be a string or a list of text parts")
-    return {"role": m["role"], "content": c}
+def _messages(msgs: list[Any]) -> list[dict[str, Any]]:
+    """The messages as the template takes them (runner/chat.py: whole, text parts joined)."""
+    try:
+        return chat_messages(msgs, "body.messages[{i}]")
+    except BadMessage as e:
+        raise BadLine(str(e)) from None
 
 
 def parse_line(text: str, lineno: int, seen: set[str]) -> BatchLine:
@@ -116,7 +107,7 @@ def _parse_request(obj: dict[str, Any], line: BatchLine) -> None:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadLine(f"body.messages must be a non-empty list for {CHAT_URL}")
-        line.prompt = [_content(m, i) for i, m in enumerate(msgs)]
+        line.prompt = _messages(msgs)
     else:
         p = body.get("prompt")
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):

@@ -1,0 +1,141 @@
+"""A Parquet dataset as the tools that wrote it mean it: which files are data, one schema, partitions.
+
+- Data files: under a directory, files with a Parquet suffix or Parquet's magic bytes, outside hidden
+  and `_` names (Spark's `_SUCCESS`, `.crc` checksums, `_metadata`); anything else (`stats.json`) is
+  skipped with one log line naming it, as Spark, Ray Data and HF datasets read such directories.
+- One schema: the parts' schemas unified with permissive promotion (an all-null column in one part
+  takes the type the others give it, int32 + int64 -> int64, int + float -> float), so no part is cast
+  to another part's null type mid-job; a dictionary (pandas categorical) column reads as its values. Types that cannot be unified (string in one part, int64 in
+  another) are a ConfigError naming both files and types, before the model loads.
+- Hive partitions: `key=value` directories (pandas `partition_cols`, Spark, Ray Data) are columns.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from ladle.runner.config import ConfigError
+
+log = logging.getLogger("ladle")
+
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+MAGIC = b"PAR1"
+
+
+def is_parquet(f: Path) -> bool:
+    if f.name.lower().endswith(PARQUET_SUFFIXES):
+        return True
+    try:
+        with open(f, "rb") as fh:
+            return fh.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def data_files(p: Path) -> tuple[list[Path], list[Path]]:
+    """(the Parquet data files under `p`, sorted; the other files, skipped); `p` itself when a file."""
+    if p.is_file():
+        return [p], []
+    data, skipped = [], []
+    for f in sorted(p.rglob("*")):
+        if not f.is_file():
+            continue
+        hidden = any(part.startswith((".", "_")) for part in f.relative_to(p).parts)
+        (skipped if hidden or not is_parquet(f) else data).append(f)
+    return data, skipped
+
+
+def unified_schema(files: list[Path]) -> pa.Schema:
+    """The parts' schemas unified with permissive promotion, or a ConfigError naming the conflict."""
+    schemas = [_decoded(pq.read_schema(f)) for f in files]
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        raise ConfigError(_conflict(files, schemas)) from None
+
+
+def _decoded(schema: pa.Schema) -> pa.Schema:
+    """Dictionary columns as their values' type: a pandas categorical in one part and plain strings in
+    another are one string column (the values read the same either way)."""
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema],
+                     metadata=schema.metadata)
+
+
+def _conflict(files: list[Path], schemas: list[pa.Schema]) -> str:
+    """Which column has types that cannot be unified, in which two files."""
+    first: dict[str, tuple[Path, pa.Schema]] = {}  # column -> (a file, its one-column schema so far)
+    for f, schema in zip(files, schemas, strict=True):
+        for field in schema:
+            one = pa.schema([field])
+            if field.name not in first:
+                first[field.name] = (f, one)
+                continue
+            where, seen = first[field.name]
+            try:
+                first[field.name] = (where, pa.unify_schemas([seen, one], promote_options="permissive"))
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                return (f"the Parquet parts disagree on column {field.name!r}: it is {seen.field(0).type} in {where} "
+                        f"and {field.type} in {f}, which cannot be read as one type; rewrite the parts with one type "
+                        "for it, or point workload.path at parts that agree")
+    return "the Parquet parts' schemas cannot be unified"  # pragma: no cover - unify_schemas failed on no column
+
+
+def open_dataset(p: Path, path_text: str) -> ds.Dataset:
+    """The dataset of `p`'s data files with one unified schema and hive partition keys as columns."""
+    files, skipped = data_files(p)
+    if skipped:
+        log.info("workload.path=%s: skipped %d files that are not Parquet data: %s", path_text, len(skipped),
+                 ", ".join(str(f.relative_to(p)) for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    if not files:
+        raise ConfigError(f"workload.path={path_text!r} has no Parquet data files"
+                          + (f" (skipped: {', '.join(f.name for f in skipped[:5])})" if skipped else ""))
+    try:
+        schema = unified_schema(files)
+        names = [str(f) for f in files]
+        if p.is_file():
+            return ds.dataset(names, schema=schema, format="parquet")
+        partitioning, keys = _hive_keys(names, p, path_text)
+        schema = _with_partitions(schema, keys, path_text)
+        return ds.dataset(names, schema=schema, format="parquet", partitioning=partitioning,
+                          partition_base_dir=str(p))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ConfigError(f"workload.path={path_text!r} is not readable as Parquet: {e}") from None
+
+
+def _hive_keys(names: list[str], base: Path, path_text: str) -> tuple[ds.Partitioning | None, pa.Schema]:
+    """The hive partitioning of the files under `base`, and the schema of the keys their directories name
+    (pyarrow types them: `year=2024` is an integer). No key directory: (None, an empty schema)."""
+    try:
+        found = ds.dataset(names, format="parquet", partitioning=ds.HivePartitioning.discover(infer_dictionary=False),
+                           partition_base_dir=str(base))
+    except pa.ArrowTypeError as e:  # a key is also a column of the first file, with another type
+        raise _key_conflict(path_text, e) from None
+    named = {k for frag in found.get_fragments() for k in partition_values(frag)}
+    if not named or found.partitioning is None:
+        return None, pa.schema([])
+    # partitioning.schema is the keys' schema; only keys some directory names are taken from it.
+    return found.partitioning, pa.schema([f for f in found.partitioning.schema if f.name in named])
+
+
+def _with_partitions(schema: pa.Schema, keys: pa.Schema, path_text: str) -> pa.Schema:
+    """The files' schema plus the partition keys (a key the files also hold must unify with it)."""
+    try:
+        return pa.unify_schemas([schema, keys], promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        raise _key_conflict(path_text, e) from None
+
+
+def _key_conflict(path_text: str, e: Exception) -> ConfigError:
+    return ConfigError(f"workload.path={path_text!r}: a partition directory's key is also a column of the files, "
+                       f"with another type ({e}); rename the column or the directories")
+
+
+def partition_values(fragment: Any) -> dict[str, Any]:
+    """The hive partition keys of one file of the dataset (empty for an unpartitioned one)."""
+    return ds.get_partition_keys(fragment.partition_expression) or {}
