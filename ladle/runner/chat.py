@@ -2,8 +2,9 @@
 
 Each message reaches the template whole (`tool_calls`, `tool_call_id`, `name` and any other key), as vLLM
 passes it. Only these are normalised:
-- `content`: a list of text parts is their texts joined (non-text parts, images, cannot run: the row's
-  error); null or absent is "" in an assistant turn (one that only calls tools), an error in any other;
+- `content`: a list of text parts is their texts joined by newlines, as vLLM joins them (non-text parts,
+  images, cannot run: the row's error); null or absent is "", as in vLLM (an assistant turn that only
+  calls tools has none);
 - a key whose value is null is left out: a Parquet or Arrow column of message structs has every field
   in every message, null where that message has none, and a template that tests `'tool_calls' in
   message` must not see one there;
@@ -29,8 +30,6 @@ def chat_messages(value: list[Any], where: str = "message {i}") -> list[dict[str
 def chat_message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadMessage(f"{where} is not a {{role, content}} object with a string role: {m!r:.80}")
-    if m.get("content") is None and m["role"] != "assistant":  # only an assistant turn may be tool calls alone
-        raise BadMessage(f"{where} ({m['role']}) has no content: {m!r:.80}")
     msg = {k: v for k, v in m.items() if v is not None}
     msg["content"] = content_text(m.get("content"), where)
     if "tool_calls" in msg:
@@ -50,7 +49,7 @@ def content_text(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadMessage(f"{where}.content has a part that is not text: {part!r:.80}")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise BadMessage(f"{where}.content must be a string or a list of text parts, not a {type(content).__name__}")
 
 

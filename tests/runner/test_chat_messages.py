@@ -1,5 +1,5 @@
 """Chat rows in the OpenAI shapes the ecosystem writes reach the chat template whole: content as a list of
-text parts (joined, as openai_batch joins them), an assistant turn of tool calls with null content, a tool
+text parts (joined by newlines, as vLLM joins them), an assistant turn of tool calls with null content, a tool
 message with its tool_call_id and name. transformers' own rendering of the messages as vLLM hands them to
 it is the reference."""
 
@@ -20,15 +20,15 @@ from tests.runner.fake_engine import FakeEngine
 
 TOOL_TURNS = [
     {"role": "system", "content": "You answer with tools."},
-    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]},
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
 ]
-# What the template is given (vLLM's conversation): text parts joined, null content "", arguments a mapping.
+# What the template is given (vLLM's conversation): text parts joined by newlines, null content "", arguments a mapping.
 AS_THE_TEMPLATE_SEES = [
     {"role": "system", "content": "You answer with tools."},
-    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "user", "content": "Weather in\nParis?"},
     {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
@@ -73,7 +73,7 @@ def test_tool_turns_and_text_parts_render_as_transformers_renders_them(hf_tokeni
     assert enc.token_ids == list(want)
     text = hf_tokenizer.tokenizer.decode(enc.token_ids)
     assert '<call call_1>get_weather{"city": "Paris"}</call>' in text  # the arguments encoded once
-    assert "<|tool|>[get_weather](call_1)18 C" in text and "<|user|>Weather in Paris?" in text
+    assert "<|tool|>[get_weather](call_1)18 C" in text and "<|user|>Weather in\nParis?" in text
     assert json.loads(enc.text) == AS_THE_TEMPLATE_SEES  # the prompt column shows what the template got
 
 
@@ -106,7 +106,7 @@ def test_a_parquet_column_of_message_structs_drops_the_null_fields_each_message_
     """Arrow gives every struct every field: a user message has tool_calls=None there, which a template
     testing `'tool_calls' in message` must not see."""
     turns = [{**m, "content": m["content"] if isinstance(m["content"], str) or m["content"] is None
-              else "Weather in Paris?"} for m in TOOL_TURNS]
+              else "Weather in\nParis?"} for m in TOOL_TURNS]
     path = tmp_path / "chats.parquet"
     pq.write_table(pa.table({"messages": [turns]}), path)
     assert pq.read_table(path).to_pylist()[0]["messages"][0]["tool_calls"] is None  # as Arrow stores it
@@ -116,7 +116,6 @@ def test_a_parquet_column_of_message_structs_drops_the_null_fields_each_message_
 
 @pytest.mark.parametrize("message,error", [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "has a part that is not text"),
-    ({"role": "user", "content": None}, "message 0 (user) has no content"),
     ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
                                                             "function": {"name": "f", "arguments": "{oops"}}]},
      "tool_calls[0].function.arguments is not JSON text"),
@@ -131,3 +130,10 @@ def test_a_batch_line_passes_its_messages_whole():
     line = parse_line(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
                                   "body": {"messages": TOOL_TURNS}}), 1, set())
     assert line.error is None and line.prompt == AS_THE_TEMPLATE_SEES
+
+
+def test_a_message_with_null_or_no_content_is_empty_text_as_in_vllm():
+    """vLLM reads a null or absent content as no text in any role; the template gets ""."""
+    enc = encode_prompt([{"role": "user", "content": None}, {"role": "tool", "tool_call_id": "c"}], "auto",
+                        FakeEngine().tokenizer, False, "messages")
+    assert enc.error is None and FakeEngine().tokenizer.decode(enc.token_ids).count("<user>\n<tool>\n") == 1
