@@ -11,10 +11,13 @@ and fsspec's (wrapped in pyarrow's `PyFileSystem`) for Azure (adlfs) and the Hug
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlsplit
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ladle.runner.config import ConfigError
@@ -60,6 +63,20 @@ class Location:
 
     def is_dir(self) -> bool:
         return self.info().type == pafs.FileType.Directory
+
+    @property
+    def suffix(self) -> str:
+        return Path(self.name).suffix
+
+    def open_lines(self) -> BinaryIO:
+        """A buffered binary reader (iterates over lines); a remote object streams, never read whole."""
+        if self.local:
+            return open(self.path, "rb")
+        return io.BufferedReader(self.fs.open_input_stream(self.path), buffer_size=1 << 20)
+
+    def open_random(self) -> pa.NativeFile:
+        """A random-access reader: memory-mapped when local, ranged reads from a store."""
+        return pa.memory_map(self.path, "r") if self.local else self.fs.open_input_file(self.path)
 
     def __str__(self) -> str:
         return redact(self.uri)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 
 from ladle.runner.config import ConfigError, WorkloadConfig
+from ladle.runner.redact import redact
 from ladle.runner.sources.base import Source, find_files, limit_total, resolve_path
 from ladle.runner.sources.columns import (
     check_required_columns,
@@ -18,6 +18,7 @@ from ladle.runner.sources.columns import (
 from ladle.runner.sources.rows import Row
 from ladle.runner.sources.shard import Shard
 from ladle.runner.sources.utf8 import pylist
+from ladle.runner.storage import Location
 
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
@@ -29,9 +30,9 @@ class ParquetSource(Source):
         super().__init__(workload, arrival_column, shard)
         p = resolve_path(workload.path)
         try:
-            self.dataset = ds.dataset(str(p), format="parquet")
+            self.dataset = ds.dataset(p.path, format="parquet", filesystem=p.fs)
         except (pa.ArrowInvalid, OSError) as e:
-            raise ConfigError(f"workload.path={workload.path!r} is not readable as Parquet: {e}") from None
+            raise ConfigError(f"workload.path={str(p)!r} is not readable as Parquet: {redact(str(e))}") from None
         self.check_columns(self.dataset.schema.names, repr(workload.path))
         self.check_column_types(self.dataset.schema, repr(workload.path))
         if len(self.dataset.files) > 1:  # the dataset's schema is the first file's: check each file's own
@@ -59,7 +60,7 @@ class ParquetSource(Source):
         limit, bs, cols = self.workload.limit, self.workload.batch_size, self.columns
         offset = 0  # global index of the row group's first row, in the order the scanner reads
         for frag in self.dataset.get_fragments():
-            pf = pq.ParquetFile(frag.path)
+            pf = pq.ParquetFile(frag.path, filesystem=self.dataset.filesystem)
             for rg in range(pf.num_row_groups):
                 n = pf.metadata.row_group(rg).num_rows
                 end = offset + n if limit is None else min(offset + n, limit)
@@ -115,8 +116,8 @@ class ArrowSource(Source):
         return self.arrow_rows(sliced())
 
 
-def _open(f: Path) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
-    source = pa.memory_map(str(f), "r")
+def _open(f: Location) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
+    source = f.open_random()
     try:
         return pa.ipc.open_file(source)
     except pa.ArrowInvalid:
@@ -127,7 +128,7 @@ def _open(f: Path) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamRea
             raise ConfigError(f"{f} is not an Arrow IPC file or stream: {e}") from None
 
 
-def _iter_file(f: Path) -> Iterator[pa.RecordBatch]:
+def _iter_file(f: Location) -> Iterator[pa.RecordBatch]:
     reader = _open(f)
     if isinstance(reader, pa.ipc.RecordBatchFileReader):
         for i in range(reader.num_record_batches):
