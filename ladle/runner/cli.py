@@ -26,6 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ladle.runner.config import CONF_DIR, ConfigError, register_configs
+from ladle.runner.redact import install_log_redaction, redact, redact_files
 
 log = logging.getLogger("ladle")
 
@@ -67,7 +68,7 @@ def _check_sweep_resume(out_dir: Path, cfg: DictConfig, overrides: list[str]) ->
     from ladle.runner.resume import check_sweep_resume
 
     try:
-        config_yaml, resume = OmegaConf.to_yaml(cfg, resolve=True), bool(cfg.output.resume)
+        config_yaml, resume = redact(OmegaConf.to_yaml(cfg, resolve=True)), bool(cfg.output.resume)
     except Exception:  # noqa: BLE001 - a config that does not resolve: run_job reports it as what it is
         return
     check_sweep_resume(out_dir, config_yaml, resume, overrides)
@@ -92,6 +93,9 @@ def _main(cfg: DictConfig) -> None:
     started = time.time()
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
+    install_log_redaction()  # Hydra's console and ladle.log handlers exist now
+    if hc.output_subdir:  # Hydra saved the command line as given: credentials in it are masked
+        redact_files(out_dir / hc.output_subdir)
     if hc.mode == RunMode.MULTIRUN:
         _sweep_dir = Path(hc.sweep.dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
@@ -104,10 +108,10 @@ def _main(cfg: DictConfig) -> None:
         extra = {"overrides": list(hc.overrides.task), "config_args": sources}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
-        print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
+        print(f"ladle: config error: {redact(str(e))}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)
     except OutputError as e:
-        print(f"ladle: error: {e}", file=sys.stderr)
+        print(f"ladle: error: {redact(str(e))}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN:
             release_frames(e)
         sys.exit(OUTPUT_ERROR_EXIT)

@@ -32,6 +32,11 @@ def _mask_query(m: re.Match[str]) -> str:
     return f"{m.group('scheme')}?{'&'.join(pairs)}"
 
 
+def carries_credentials(uri: str) -> bool:
+    """Whether a URI holds a user part (`KEY:SECRET@`, where the secret may hold "/") or a query."""
+    return bool(_USERINFO.match(uri) or _QUERY.match(uri))
+
+
 def redact(text: str) -> str:
     """`text` with the credentials in its URIs and the values of the stores' credential variables masked."""
     text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{MASK}@", text)

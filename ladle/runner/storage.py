@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ladle.runner.config import ConfigError
-from ladle.runner.redact import redact
+from ladle.runner.redact import carries_credentials, redact
 
 # scheme -> (fsspec protocol, the package that provides it) for stores pyarrow has no filesystem of its own for
 FSSPEC_SCHEMES = {"az": ("az", "adlfs"), "abfs": ("abfs", "adlfs"), "abfss": ("abfss", "adlfs"),
@@ -95,7 +95,7 @@ def locate(uri: str, key: str = "path") -> Location:
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     shown = redact(uri)
-    if parts.username or parts.password or parts.query:
+    if carries_credentials(uri):
         raise ConfigError(f"{key}={shown!r} carries credentials or options in the URI; give the plain URI "
                           f"({scheme}://bucket/path) and put {CREDENTIALS_HELP}")
     if scheme == "file":

@@ -37,6 +37,7 @@ from ladle.runner.executors.replica_files import (
     replica_summaries,
 )
 from ladle.runner.executors.shards import duplicate_indices
+from ladle.runner.redact import redact
 from ladle.runner.resume import resume_command
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
@@ -75,7 +76,7 @@ class Ray(Executor):
         interrupted = False
         if ks:
             failures, config_errors, interrupted = _launch(cfg, job, out, routing, ks, duplicates)
-        merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
+        merge_replicas(out, job, routing.num_replicas, redact(OmegaConf.to_yaml(cfg, resolve=True)))
         replicas = replica_summaries(out, ks)
         resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
         first = replicas[0] if replicas else {}
