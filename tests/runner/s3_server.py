@@ -3,7 +3,7 @@
     def test_x(s3):                 # AWS_ENDPOINT_URL and dummy keys set for this test
         uri = s3.put("data/x.parquet", table)     # -> "s3://<bucket>/data/x.parquet"
 
-Every test gets a bucket of its own; the server runs once per test session. Readers reach it the way
+Every test gets a bucket of its own; the server starts once for all the tests. Readers reach it the way
 they reach AWS: through the standard AWS_* variables, which pyarrow, s3fs and boto3 all read.
 """
 
