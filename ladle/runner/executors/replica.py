@@ -25,6 +25,7 @@ def replica_cfg(cfg: DictConfig) -> DictConfig:
     c.executor.kind = "local"
     c.output.print_summary = False
     c.output.progress = False
+    c.output.path = None  # the driver copies the merged outputs to output.path, never a replica its own share
     if c.threads is None:
         c.threads = max(1, int(c.executor.num_cpus_per_replica))
     return c
