@@ -43,7 +43,7 @@ def s3_prompts(s3) -> str:
 def test_local_run_reading_and_writing_s3(s3, s3_prompts, tmp_path, engine):
     cfg = compose_cfg("workload=parquet", f"workload.path={s3_prompts}", f"output.path={s3.uri('runs/a')}")
     res = run_job(cfg, tmp_path / "run", engine=engine)
-    objects = [k for k in s3.keys("runs/") if not k.endswith("/")]  # pyarrow keeps a "runs/a/" directory marker
+    objects = [k for k in s3.list_keys("runs/") if not k.endswith("/")]  # pyarrow keeps a "runs/a/" directory marker
     assert objects == ["runs/a/generations.parquet", "runs/a/steps.parquet", "runs/a/summary.json"]
     gen = remote_table(s3, "runs/a/generations.parquet")
     assert gen.equals(pq.read_table(tmp_path / "run" / "generations.parquet"))
@@ -66,7 +66,7 @@ def test_an_interrupted_run_resumes_from_output_path_in_a_fresh_run_directory(s3
     assert sorted(ids, key=int) == [str(i) for i in range(len(PROMPTS))]  # each id exactly once
     assert set(gen.column("attempt").to_pylist()) == {0, 1}
     assert second.summary["resumed"] == partial.num_rows
-    assert not [k for k in s3.keys() if k.endswith(".tmp")]
+    assert not [k for k in s3.list_keys() if k.endswith(".tmp")]
 
 
 def test_output_path_errors_before_the_model_loads(s3, s3_prompts, tmp_path, no_model_load):

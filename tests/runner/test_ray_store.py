@@ -44,5 +44,5 @@ def test_ray_and_local_give_the_same_greedy_outputs_from_s3(ray_with_s3, tmp_pat
     assert [r["id"] for r in distributed] == ids and distributed == local
     steps = pq.read_table(io.BytesIO(s3.get("ray/steps.parquet")))
     assert set(steps.column("replica").to_pylist()) == {0, 1}
-    objects = [k for k in s3.keys("ray/") if not k.endswith("/")]
+    objects = [k for k in s3.list_keys("ray/") if not k.endswith("/")]
     assert objects == ["ray/generations.parquet", "ray/steps.parquet", "ray/summary.json"]

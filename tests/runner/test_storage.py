@@ -79,4 +79,4 @@ def test_parquet_written_and_read_back_through_a_location(s3):
     loc = locate(s3.uri("out/t.parquet"))
     pq.write_table(pa.table({"a": [1, 2]}), loc.path, filesystem=loc.fs)
     assert pq.read_table(loc.path, filesystem=loc.fs).column("a").to_pylist() == [1, 2]
-    assert s3.keys("out/") == ["out/t.parquet"]
+    assert s3.list_keys("out/") == ["out/t.parquet"]
