@@ -46,3 +46,16 @@ def test_ray_and_local_give_the_same_greedy_outputs_from_s3(ray_with_s3, tmp_pat
     assert set(steps.column("replica").to_pylist()) == {0, 1}
     objects = [k for k in s3.list_keys("ray/") if not k.endswith("/")]
     assert objects == ["ray/generations.parquet", "ray/steps.parquet", "ray/summary.json"]
+
+
+def test_a_replica_killed_mid_run_leaves_exactly_one_row_per_id_in_s3(ray_with_s3, tmp_path, monkeypatch):
+    s3 = ray_with_s3
+    ids = [f"r{i}" for i in range(60)]
+    uri = s3.put("in/p.parquet", pa.table({"id": ids, "prompt": [PROMPTS[i % 8] for i in range(60)]}), row_group_size=7)
+    monkeypatch.setenv("LADLE_TEST_CRASH", "1:10")  # replica 1's actor os._exit()s once after 10 rows
+    res = run_job(compose_cfg("workload=parquet", f"workload.path={uri}", "workload.id_column=id", "executor=ray",
+                              "executor.num_replicas=2", "executor.batch_size=10", f"output.path={s3.uri('out')}"),
+                  tmp_path / "run")
+    assert not res.interrupted and (tmp_path / "run" / "replicas" / "r1" / ".crashed").exists()
+    got = pq.read_table(io.BytesIO(s3.get("out/generations.parquet")), columns=["id", "error"]).to_pylist()
+    assert sorted(r["id"] for r in got) == sorted(ids) and not any(r["error"] for r in got)
