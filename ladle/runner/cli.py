@@ -82,6 +82,14 @@ def _written_since(path: Path, started: float) -> bool:
         return False
 
 
+def _job_output_path(cfg: DictConfig, out_dir: Path, sweep_dir: Path) -> None:
+    """A sweep's jobs keep their outputs apart under output.path, as under the sweep directory
+    (`<output.path>/<job subdir>`): one output.path for all would leave only the last job's files."""
+    if cfg.output.path:
+        sub = out_dir.absolute().relative_to(sweep_dir.absolute()).as_posix()
+        cfg.output.path = f"{str(cfg.output.path).rstrip('/')}/{sub}"
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
     global _task_started, _sweep_dir, _sweep_runs
@@ -93,11 +101,12 @@ def _main(cfg: DictConfig) -> None:
     started = time.time()
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
-    install_log_redaction()  # Hydra's console and ladle.log handlers exist now
     if hc.output_subdir:  # Hydra saved the command line as given: credentials in it are masked
         redact_files(out_dir / hc.output_subdir)
     if hc.mode == RunMode.MULTIRUN:
         _sweep_dir = Path(hc.sweep.dir)
+        redact_files(_sweep_dir)  # Hydra's multirun.yaml holds the sweep's command line
+        _job_output_path(cfg, out_dir, _sweep_dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
@@ -153,6 +162,7 @@ def main() -> None:
     global _task_started, _sweep_dir, _sweep_runs
     _task_started, _sweep_dir, _sweep_runs = False, None, 0  # main() may run twice in one process (tests)
     install()  # ladle's warnings on one line each (`ladle: warning: ...`)
+    install_log_redaction()  # before Hydra logs anything (a sweep's overrides are logged first)
     try:
         _main()
     except SystemExit as e:

@@ -63,20 +63,24 @@ def redact_files(directory: Path) -> None:
                 os.replace(tmp, f)
 
 
-class RedactingFilter(logging.Filter):
-    """A log record's message, formatted and redacted (a handler's filter: every record it writes)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        clean = redact(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        return True
+def redact_record(record: logging.LogRecord) -> logging.LogRecord:
+    """The record with its message formatted and redacted (when it held a secret)."""
+    message = record.getMessage()
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, None
+    return record
 
 
 def install_log_redaction() -> None:
-    """Every handler of the root logger and of ladle's (Hydra's console and ladle.log) redacts what it writes."""
-    for logger in (logging.getLogger(), logging.getLogger("ladle")):
-        for handler in logger.handlers:
-            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-                handler.addFilter(RedactingFilter())
+    """Every log record made from now on is redacted as it is created, whatever logger or handler takes it
+    (Hydra replaces its handlers per job and logs a sweep's overrides before any job runs)."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacts", False):
+        return
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        return redact_record(make(*args, **kwargs))
+
+    factory.redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)

@@ -44,3 +44,17 @@ def test_credentials_inside_a_uri_are_refused_and_never_shown(s3, tmp_path):
     for text in (key_id, secret):
         assert text not in p.stdout + p.stderr
         assert files_holding(out, text) == []
+
+
+def test_a_sweep_keeps_each_jobs_outputs_apart_under_output_path(s3, tmp_path):
+    uri = s3.put("in/prompts.parquet", pa.table({"prompt": PROMPTS[:2]}))
+    sweep = tmp_path / "sweep"
+    p = ladle("--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "workload=parquet",
+              f"workload.path={uri}", f"output.path={s3.uri('sweep')}", "output.plots=false",
+              f"+workload.chat_template_kwargs.api_key={SECRET}", *FAST, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    objects = [k for k in s3.list_keys("sweep/") if not k.endswith("/")]
+    assert objects == [f"sweep/{i}/{name}" for i in (0, 1)
+                       for name in ("generations.parquet", "steps.parquet", "summary.json")]
+    assert (sweep / "sweep.parquet").exists() and files_holding(sweep, SECRET) == []
+    assert "api_key=***" in p.stdout + p.stderr and SECRET not in p.stdout + p.stderr  # Hydra logs the jobs' overrides

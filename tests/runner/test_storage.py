@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from ladle.runner.config import ConfigError
-from ladle.runner.redact import RedactingFilter, redact, redact_files
+from ladle.runner.redact import redact, redact_files, redact_record
 from ladle.runner.storage import is_uri, list_files, locate
 
 
@@ -69,7 +69,7 @@ def test_redact_files_and_log_filter(tmp_path, caplog):
     assert "SECRETVALUE" not in (tmp_path / "overrides.yaml").read_text()
     assert (tmp_path / "config.yaml").read_text() == "model: tiny\n"
     record = logging.LogRecord("ladle", logging.INFO, __file__, 1, "source %s", ("s3://K:SECRETVALUE@b/x",), None)
-    RedactingFilter().filter(record)
+    redact_record(record)
     assert "SECRETVALUE" not in record.getMessage()
 
 
