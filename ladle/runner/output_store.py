@@ -52,19 +52,25 @@ def fetch_previous(dest: Location, out: Path) -> list[str]:
     (its own, when present, are the newer: output.path only ever receives copies of them)."""
     if (out / GENERATIONS).exists() or tmp_path(out / GENERATIONS).exists():
         return []
+    fetched = fetch(dest, RESUMED_FROM, out)
+    if fetched:
+        log.info("resuming from %s: copied %s into %s", dest, ", ".join(fetched), out)
+    return fetched
+
+
+def fetch(src: Location, names: tuple[str, ...], out: Path) -> list[str]:
+    """Copy the objects `names` that `src` holds into `out` (each through a `.tmp` renamed onto its name)."""
     out.mkdir(parents=True, exist_ok=True)
     fetched = []
-    for name in RESUMED_FROM:
-        src = dest.child(name)
-        if not src.is_file():
+    for name in names:
+        obj = src.child(name)
+        if not obj.is_file():
             continue
         local = out / name
-        pafs.copy_files(src.path, tmp_path(local).as_posix(), source_filesystem=src.fs,
+        pafs.copy_files(obj.path, tmp_path(local).as_posix(), source_filesystem=obj.fs,
                         destination_filesystem=pafs.LocalFileSystem(), chunk_size=CHUNK, use_threads=False)
         tmp_path(local).replace(local)
         fetched.append(name)
-    if fetched:
-        log.info("resuming from %s: copied %s into %s", dest, ", ".join(fetched), out)
     return fetched
 
 

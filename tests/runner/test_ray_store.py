@@ -4,6 +4,10 @@ outputs as executor=local on the same input, the merged files copied to output.p
 from __future__ import annotations
 
 import io
+import json
+import tempfile
+import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -45,17 +49,56 @@ def test_ray_and_local_give_the_same_greedy_outputs_from_s3(ray_with_s3, tmp_pat
     steps = pq.read_table(io.BytesIO(s3.get("ray/steps.parquet")))
     assert set(steps.column("replica").to_pylist()) == {0, 1}
     objects = [k for k in s3.list_keys("ray/") if not k.endswith("/")]
-    assert objects == ["ray/generations.parquet", "ray/steps.parquet", "ray/summary.json"]
+    files = ["generations.parquet", "steps.parquet", "summary.json"]
+    assert objects == sorted([f"ray/{f}" for f in files] + [f"ray/replicas/r{k}/{f}" for k in (0, 1) for f in files])
 
 
 def test_a_replica_killed_mid_run_leaves_exactly_one_row_per_id_in_s3(ray_with_s3, tmp_path, monkeypatch):
     s3 = ray_with_s3
     ids = [f"r{i}" for i in range(60)]
     uri = s3.put("in/p.parquet", pa.table({"id": ids, "prompt": [PROMPTS[i % 8] for i in range(60)]}), row_group_size=7)
+    t0 = time.time()
     monkeypatch.setenv("LADLE_TEST_CRASH", "1:10")  # replica 1's actor os._exit()s once after 10 rows
     res = run_job(compose_cfg("workload=parquet", f"workload.path={uri}", "workload.id_column=id", "executor=ray",
                               "executor.num_replicas=2", "executor.batch_size=10", f"output.path={s3.uri('out')}"),
                   tmp_path / "run")
-    assert not res.interrupted and (tmp_path / "run" / "replicas" / "r1" / ".crashed").exists()
+    crashed = [p for p in Path(tempfile.gettempdir()).glob("ladle-replicas/*/r1.crashed") if p.stat().st_mtime >= t0]
+    assert not res.interrupted and len(crashed) == 1  # the fault did happen, on the replica's node
     got = pq.read_table(io.BytesIO(s3.get("out/generations.parquet")), columns=["id", "error"]).to_pylist()
     assert sorted(r["id"] for r in got) == sorted(ids) and not any(r["error"] for r in got)
+
+
+@pytest.fixture
+def two_nodes(s3):
+    """A head and a worker node, one CPU each (one replica per node), started once the S3 variables are set."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield s3
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_two_nodes_share_nothing_but_the_store(two_nodes, tmp_path):
+    """The replicas work in their nodes' own directories and keep their files under output.path; the driver's
+    run directory gets them only from there, and merges them."""
+    s3 = two_nodes
+    ids = [f"n{i}" for i in range(16)]
+    uri = s3.put("in/p.parquet", pa.table({"id": ids, "prompt": [PROMPTS[i % 8] for i in range(16)]}))
+    out = tmp_path / "driver"
+    res = run_job(compose_cfg("workload=parquet", f"workload.path={uri}", "workload.id_column=id", "executor=ray",
+                              "executor.num_replicas=2", "executor.batch_size=4", f"output.path={s3.uri('run')}"),
+                  out)
+    assert not res.interrupted
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    for k in (0, 1):
+        replica_summary = json.loads(s3.get(f"run/replicas/r{k}/summary.json"))
+        assert not replica_summary["run_dir"].startswith(str(out))  # written in its node's own directory
+        for name in ("generations.parquet", "steps.parquet", "summary.json"):
+            assert (out / "replicas" / f"r{k}" / name).read_bytes() == s3.get(f"run/replicas/r{k}/{name}")
+    merged = pq.read_table(io.BytesIO(s3.get("run/generations.parquet")), columns=["id"]).column("id").to_pylist()
+    assert sorted(merged) == sorted(ids)
+    steps = pq.read_table(io.BytesIO(s3.get("run/steps.parquet")), columns=["replica"])
+    assert set(steps.column("replica").to_pylist()) == {0, 1}
