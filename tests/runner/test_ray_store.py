@@ -102,3 +102,24 @@ def test_two_nodes_share_nothing_but_the_store(two_nodes, tmp_path):
     assert sorted(merged) == sorted(ids)
     steps = pq.read_table(io.BytesIO(s3.get("run/steps.parquet")), columns=["replica"])
     assert set(steps.column("replica").to_pylist()) == {0, 1}
+
+
+def test_a_failed_distributed_run_resumes_from_output_path_on_another_driver(ray_with_s3, tmp_path, monkeypatch):
+    """Replica 1 dies with no restart left: the job fails keeping replica 0's rows in the store; a rerun from an
+    empty run directory (another machine) runs only replica 1's rows, and every id is written once."""
+    s3 = ray_with_s3
+    ids = [f"f{i}" for i in range(20)]
+    uri = s3.put("in/p.parquet", pa.table({"id": ids, "prompt": [PROMPTS[i % 8] for i in range(20)]}))
+    cfg = compose_cfg("workload=parquet", f"workload.path={uri}", "workload.id_column=id", "executor=ray",
+                      "executor.num_replicas=2", "executor.batch_size=5", "executor.max_restarts=0",
+                      f"output.path={s3.uri('resumed')}")
+    monkeypatch.setenv("LADLE_TEST_CRASH", "1:3")
+    with pytest.raises(RuntimeError, match="replica 1: its actor died"):
+        run_job(cfg, tmp_path / "first")
+    first = pq.read_table(io.BytesIO(s3.get("resumed/generations.parquet")), columns=["id"]).column("id").to_pylist()
+    assert sorted(first) == sorted(ids[0:5] + ids[10:15])  # replica 0's blocks only
+    monkeypatch.delenv("LADLE_TEST_CRASH")
+    res = run_job(cfg, tmp_path / "second")
+    got = pq.read_table(io.BytesIO(s3.get("resumed/generations.parquet")), columns=["id", "attempt"]).to_pylist()
+    assert sorted(r["id"] for r in got) == sorted(ids)
+    assert res.summary["resumed"] == 10 and {r["attempt"] for r in got if r["id"] in first} == {0}
