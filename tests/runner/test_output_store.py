@@ -84,3 +84,26 @@ def test_a_local_output_path_gets_the_same_files(s3_prompts, tmp_path, engine):
     run_job(cfg, tmp_path / "run", engine=engine)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["generations.parquet", "steps.parquet",
                                                                      "summary.json"]
+
+
+def test_a_copy_that_fails_keeps_the_previous_object_and_leaves_no_tmp(s3, tmp_path, monkeypatch):
+    from ladle.runner.output_store import publish
+    from ladle.runner.sinks import OutputError
+    from ladle.runner.storage import locate
+
+    dest = locate(s3.uri("keep"))
+    f = tmp_path / "summary.json"
+    f.write_text('{"v": 1}')
+    publish([f], dest)
+    f.write_text('{"v": 2}')
+
+    def cut_copy(src, dst, destination_filesystem, **kwargs):  # part of the object written, then the link drops
+        with destination_filesystem.open_output_stream(dst) as out:
+            out.write(b'{"v": ')
+        raise OSError("connection reset")
+
+    monkeypatch.setattr("ladle.runner.output_store.pafs.copy_files", cut_copy)
+    with pytest.raises(OutputError, match=r"copying summary.json to s3://.*/keep/summary.json failed.*as it was"):
+        publish([f], dest)
+    assert json.loads(s3.get("keep/summary.json")) == {"v": 1}
+    assert [k for k in s3.list_keys("keep/") if not k.endswith("/")] == ["keep/summary.json"]
