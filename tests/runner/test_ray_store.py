@@ -123,3 +123,24 @@ def test_a_failed_distributed_run_resumes_from_output_path_on_another_driver(ray
     got = pq.read_table(io.BytesIO(s3.get("resumed/generations.parquet")), columns=["id", "attempt"]).to_pylist()
     assert sorted(r["id"] for r in got) == sorted(ids)
     assert res.summary["resumed"] == 10 and {r["attempt"] for r in got if r["id"] in first} == {0}
+
+
+def test_arrivals_are_replayed_per_replica_on_its_own_clock(ray_with_s3, tmp_path):
+    """poisson at `rate` under executor=ray: each replica draws the seeded arrival stream over its own rows, so
+    N replicas are offered N times the rate, as N servers each behind its own queue."""
+    import numpy as np
+
+    from ladle.runner.arrivals import arrival_times
+    from ladle.runner.config import ArrivalConfig
+
+    s3 = ray_with_s3
+    uri = s3.put("in/p.parquet", pa.table({"id": [f"a{i}" for i in range(12)], "prompt": [PROMPTS[i % 8] for i in range(12)]}))
+    run_job(compose_cfg("workload=parquet", f"workload.path={uri}", "workload.id_column=id", "executor=ray",
+                        "executor.num_replicas=2", "executor.batch_size=3", "workload.arrivals.process=poisson",
+                        "workload.arrivals.rate=20", "workload.arrivals.seed=7", f"output.path={s3.uri('arr')}"),
+            tmp_path / "run")
+    rows = pq.read_table(io.BytesIO(s3.get("arr/generations.parquet")), columns=["index", "arrival_s"]).to_pylist()
+    by_index = {r["index"]: r["arrival_s"] for r in rows}
+    expected = arrival_times(ArrivalConfig(process="poisson", rate=20, seed=7), 6)
+    for share in ([0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]):  # blocks of 3 rows, alternating replicas
+        np.testing.assert_allclose([by_index[i] for i in share], expected, rtol=0, atol=1e-9)
