@@ -26,6 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ladle.runner.config import CONF_DIR, ConfigError, register_configs
+from ladle.runner.redact import install_log_redaction, redact, redact_files
 
 log = logging.getLogger("ladle")
 
@@ -67,7 +68,7 @@ def _check_sweep_resume(out_dir: Path, cfg: DictConfig, overrides: list[str]) ->
     from ladle.runner.resume import check_sweep_resume
 
     try:
-        config_yaml, resume = OmegaConf.to_yaml(cfg, resolve=True), bool(cfg.output.resume)
+        config_yaml, resume = redact(OmegaConf.to_yaml(cfg, resolve=True)), bool(cfg.output.resume)
     except Exception:  # noqa: BLE001 - a config that does not resolve: run_job reports it as what it is
         return
     check_sweep_resume(out_dir, config_yaml, resume, overrides)
@@ -81,6 +82,14 @@ def _written_since(path: Path, started: float) -> bool:
         return False
 
 
+def _job_output_path(cfg: DictConfig, out_dir: Path, sweep_dir: Path) -> None:
+    """A sweep's jobs keep their outputs apart under output.path, as under the sweep directory
+    (`<output.path>/<job subdir>`): one output.path for all would leave only the last job's files."""
+    if cfg.output.path:
+        sub = out_dir.absolute().relative_to(sweep_dir.absolute()).as_posix()
+        cfg.output.path = f"{str(cfg.output.path).rstrip('/')}/{sub}"
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
     global _task_started, _sweep_dir, _sweep_runs
@@ -92,8 +101,12 @@ def _main(cfg: DictConfig) -> None:
     started = time.time()
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
+    if hc.output_subdir:  # Hydra saved the command line as given: credentials in it are masked
+        redact_files(out_dir / hc.output_subdir)
     if hc.mode == RunMode.MULTIRUN:
         _sweep_dir = Path(hc.sweep.dir)
+        redact_files(_sweep_dir)  # Hydra's multirun.yaml holds the sweep's command line
+        _job_output_path(cfg, out_dir, _sweep_dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
@@ -104,10 +117,10 @@ def _main(cfg: DictConfig) -> None:
         extra = {"overrides": list(hc.overrides.task), "config_args": sources}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
-        print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr
+        print(f"ladle: config error: {redact(str(e))}", file=sys.stderr)  # once, on stderr
         sys.exit(CONFIG_ERROR_EXIT)
     except OutputError as e:
-        print(f"ladle: error: {e}", file=sys.stderr)
+        print(f"ladle: error: {redact(str(e))}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN:
             release_frames(e)
         sys.exit(OUTPUT_ERROR_EXIT)
@@ -149,6 +162,7 @@ def main() -> None:
     global _task_started, _sweep_dir, _sweep_runs
     _task_started, _sweep_dir, _sweep_runs = False, None, 0  # main() may run twice in one process (tests)
     install()  # ladle's warnings on one line each (`ladle: warning: ...`)
+    install_log_redaction()  # before Hydra logs anything (a sweep's overrides are logged first)
     try:
         _main()
     except SystemExit as e:

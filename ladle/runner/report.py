@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ladle.runner.redact import redact
 from ladle.runner.sinks import sample_indices
 from ladle.runner.text import clean
 
@@ -248,5 +249,6 @@ def format_table(s: dict[str, Any]) -> str:
 def write_summary(summary: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     # Cleaned like every text the job writes (runner/text.py): the overrides and paths come from argv.
-    tmp.write_text(json.dumps(clean(summary), indent=2, default=str) + "\n")
+    # Credentials in a URI or a credential variable's value an override quoted: masked (runner/redact.py).
+    tmp.write_text(redact(json.dumps(clean(summary), indent=2, default=str)) + "\n")
     tmp.replace(path)

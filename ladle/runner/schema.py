@@ -120,6 +120,9 @@ class OutputConfig:
     print_summary: bool = True
     resume: bool = True  # skip requests already in generations.parquet of the run directory
     retry_errors: bool = False  # on resume, run rows that errored before again
+    # Where generations, steps and summary are kept: null = the run directory; a URI (s3://, gs://, az://,
+    # hf://) or a local directory gets a copy of each at the end of the run, and resume reads from it.
+    path: str | None = None
 
 
 @dataclass

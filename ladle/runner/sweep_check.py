@@ -17,6 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
 
+from ladle.runner.redact import redact
+
 log = logging.getLogger("ladle")
 
 
@@ -27,8 +29,8 @@ class SweepCheck(Callback):
             from ladle.runner.cli import CONFIG_ERROR_EXIT
 
             shown = "\n".join(f"  job {i} ({overrides}): {e}" for i, overrides, e in errors)
-            print(f"ladle: config error: {len(errors)} job(s) of this sweep would fail their config check, so none "
-                  f"was run:\n{shown}", file=sys.stderr)
+            print(redact(f"ladle: config error: {len(errors)} job(s) of this sweep would fail their config check, so "
+                         f"none was run:\n{shown}"), file=sys.stderr)
             sys.exit(CONFIG_ERROR_EXIT)
 
 

@@ -179,3 +179,6 @@ def no_model_load(monkeypatch):
         raise ModelLoaded("the model loader ran before the config error")
 
     monkeypatch.setattr(models, "load_model", load)
+
+
+from tests.runner.s3_server import s3, s3_endpoint  # noqa: F401 - fixtures: an S3 API server (moto)

@@ -148,7 +148,8 @@ TOK = ByteTokenizer()
     (42, "auto", None, "is a int"),
     ([1.5, 2], "auto", None, None),  # a list of floats is none of the formats
     ([5, "x"], "tokens", None, "tokenized"),
-    ([{"role": "user"}], "chat", None, "message 0"),
+    ([{"role": "user"}], "chat", TOK.apply_chat_template([{"role": "user", "content": ""}]), None),  # as vLLM
+    ([{"content": "hi"}], "chat", None, "message 0"),
 ])
 def test_encode_prompt(value, fmt, ids, error):
     enc = encode_prompt(value, fmt, TOK, False, "prompt")

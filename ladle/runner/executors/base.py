@@ -13,9 +13,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ladle.runner.config import JobConfig, check, to_job_config
+from ladle.runner.output_store import fetch_previous, output_location, publish
 from ladle.runner.report import SUMMARY, format_table, summarize, write_summary
 from ladle.runner.run_lock import RunDirLock
 from ladle.runner.sinks import GENERATIONS, STEPS
+from ladle.runner.storage import Location
 
 log = logging.getLogger("ladle")
 
@@ -50,17 +52,24 @@ class Executor(ABC):
     def run(self, cfg: DictConfig, out_dir: str | Path) -> RunResult:
         job = to_job_config(cfg)
         check(job)
+        dest = output_location(job.output, Path(out_dir))  # output.path checked before the model loads
         with RunDirLock(Path(out_dir)):  # before anything in the directory is read, recovered or replaced
+            if dest is not None and job.output.resume:
+                fetch_previous(dest, Path(out_dir))
             ran = self.execute(cfg, job, Path(out_dir))
-            summary, files = self._tail(job, ran)
+            summary, files = self._tail(job, ran, dest)
         return RunResult(ran.out, summary, files, ran.interrupted)
 
-    def _tail(self, job: JobConfig, ran: Ran) -> tuple[dict[str, Any], dict[str, Path]]:
-        """The summary, plots and printed table of a run whose requests ran (still under the lock)."""
+    def _tail(self, job: JobConfig, ran: Ran, dest: Location | None) -> tuple[dict[str, Any], dict[str, Path]]:
+        """The summary, plots and printed table of a run whose requests ran (still under the lock); the
+        outputs copied to output.path (`dest`), complete or interrupted, before a failure is raised."""
         gen, steps = ran.out / GENERATIONS, ran.out / STEPS
-        summary = summarize(gen, steps if steps.exists() else None, ran.info)
+        info = ran.info if dest is None else {**ran.info, "output_path": str(dest)}
+        summary = summarize(gen, steps if steps.exists() else None, info)
         files = {"generations": gen, "steps": steps, "summary": ran.out / SUMMARY, **ran.files}
         write_summary(summary, files["summary"])
+        if dest is not None:
+            publish([gen, steps, files["summary"], *ran.files.values()], dest)
         if ran.error is not None:
             raise ran.error(summary)
         if job.output.plots and not ran.interrupted:
@@ -72,6 +81,8 @@ class Executor(ABC):
             print(f"\noutputs in {ran.out.resolve()}:")
             for name, p in files.items():
                 print(f"  {name:<12} {p.relative_to(ran.out)}")
+            if dest is not None:
+                print(f"copied to {dest}")
         return summary, files
 
     @abstractmethod

@@ -17,6 +17,7 @@ from ladle.runner.calibration import CALIBRATION
 from ladle.runner.config import ConfigError, JobConfig, engine_config, uses_load
 from ladle.runner.executors.base import Executor, Ran, try_plot
 from ladle.runner.loop import Loop
+from ladle.runner.redact import redact
 from ladle.runner.resume import prepare_run_dir, resume_command
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
@@ -61,7 +62,7 @@ class Local(Executor):
         out.mkdir(parents=True, exist_ok=True)
         source = self.source or open_source(job.workload)  # checks paths and columns before the model loads
         log.info("source: %s%s", source.description, f", {source.total} rows" if source.total is not None else "")
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        config_yaml = redact(OmegaConf.to_yaml(cfg, resolve=True))  # stored in the outputs: no credentials
         resume = prepare_run_dir(out, job.output, config_yaml)
         threads = self._load_engine(job)
         source.vocab_size = vocab_size(self.engine)

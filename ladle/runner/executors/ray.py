@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from ladle.runner.config import ConfigError, JobConfig
 from ladle.runner.executors import start_over
 from ladle.runner.executors.base import Executor, Ran, try_plot
 from ladle.runner.executors.checks import check_resources, connect, describe_cluster
-from ladle.runner.executors.replica import CRASH_ENV, Replica, replica_cfg
+from ladle.runner.executors.replica import CRASH_ENV, Replica, replica_cfg, replica_store
 from ladle.runner.executors.replica_files import (
     check_routing,
     merge_replicas,
@@ -37,10 +38,14 @@ from ladle.runner.executors.replica_files import (
     replica_summaries,
 )
 from ladle.runner.executors.shards import duplicate_indices
+from ladle.runner.output_store import fetch, output_location
+from ladle.runner.redact import redact
+from ladle.runner.report import SUMMARY
 from ladle.runner.resume import resume_command
-from ladle.runner.sinks import GENERATIONS
+from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.sources.shard import Routing
+from ladle.runner.storage import locate
 
 log = logging.getLogger("ladle")
 
@@ -73,11 +78,15 @@ class Ray(Executor):
         failures: dict[int, str] = {}  # replica -> why it did not finish
         config_errors: list[str] = []
         interrupted = False
+        store = job.output.path if output_location(job.output, out) is not None else None
         if ks:
-            failures, config_errors, interrupted = _launch(cfg, job, root, routing, ks, duplicates)
+            failures, config_errors, interrupted = _launch(cfg, job, root, routing, ks, duplicates, store)
+        if store is not None:  # the replicas kept their files in the store, never in this directory
+            for k in ks:
+                fetch(locate(replica_store(store, k), "output.path"), (GENERATIONS, STEPS, SUMMARY), replica_dir(root, k))
         if root != out:
             _settle_start_over(out, failures, config_errors, interrupted)
-        merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
+        merge_replicas(out, job, routing.num_replicas, redact(OmegaConf.to_yaml(cfg, resolve=True)))
         replicas = replica_summaries(out, ks)
         resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
         first = replicas[0] if replicas else {}
@@ -118,7 +127,7 @@ def _replicas_with_rows(source: Source, routing: Routing) -> list[int]:
 
 
 def _launch(cfg: DictConfig, job: JobConfig, out: Path, routing: Routing, ks: list[int],
-            duplicates: dict[int, list[int]]) -> tuple[dict[int, str], list[str], bool]:
+            duplicates: dict[int, list[int]], store: str | None) -> tuple[dict[int, str], list[str], bool]:
     """Run the replicas through Ray Data; returns (replica -> failure, config errors, interrupted).
     An actor that dies more than executor.max_restarts times loses its block: Ray Data is told to go
     on without it (max_errored_blocks), so the other replicas finish their shares."""
@@ -135,7 +144,7 @@ def _launch(cfg: DictConfig, job: JobConfig, out: Path, routing: Routing, ks: li
     try:
         rows = ds.map_batches(
             Replica, fn_constructor_args=(OmegaConf.to_yaml(replica_cfg(cfg)), str(out), routing.as_dict(),
-                                          duplicates),
+                                          duplicates, store, uuid.uuid4().hex),
             batch_size=1, compute=pool, num_cpus=ex.num_cpus_per_replica, num_gpus=ex.num_gpus_per_replica,
             max_restarts=ex.max_restarts, max_task_retries=ex.max_restarts,
             runtime_env={"env_vars": {CRASH_ENV: os.environ[CRASH_ENV]}} if CRASH_ENV in os.environ else None,

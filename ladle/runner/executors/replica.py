@@ -4,6 +4,8 @@ jobs over its shares of the rows into <out>/replicas/r<k>/ (so each replica resu
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ def replica_cfg(cfg: DictConfig) -> DictConfig:
     c.executor.kind = "local"
     c.output.print_summary = False
     c.output.progress = False
+    c.output.path = None  # the driver copies the merged outputs to output.path, never a replica its own share
     if c.threads is None:
         c.threads = max(1, int(c.executor.num_cpus_per_replica))
     return c
@@ -34,9 +37,11 @@ class Replica:
     """One engine per actor, reused for every replica task routed to it."""
 
     def __init__(self, cfg_yaml: str, out_root: str, routing: dict[str, int],
-                 duplicates: dict[int, list[int]]) -> None:
+                 duplicates: dict[int, list[int]], store: str | None = None, run_token: str = "") -> None:
         self.cfg = OmegaConf.create(cfg_yaml)
         self.out_root, self.routing = Path(out_root), Routing(**routing)
+        # output.path set: a replica works in a directory of its node and keeps its files in the store
+        self.store, self.run_token = store, run_token
         self.duplicates = duplicates
         self.engine = None
         self.threads: dict[str, Any] | None = None
@@ -66,9 +71,22 @@ class Replica:
             self.engine = make_engine(job)
         crash = os.environ.get(CRASH_ENV)
         after = int(crash.split(":")[1]) if crash and int(crash.split(":")[0]) == k else None
-        out = replica_dir(self.out_root, k)
+        cfg, out = self.cfg, replica_dir(self.out_root, k)
+        crashed = out / ".crashed"
+        if self.store is not None:  # nothing shared with the driver but the store
+            cfg = self.cfg.copy()
+            cfg.output.path = replica_store(self.store, k)
+            out = Path(tempfile.gettempdir()) / "ladle-replicas" / self.run_token / f"r{k}"
+            crashed = out.with_name(f"r{k}.crashed")  # outlives `out`, which goes once it is in the store
         out.mkdir(parents=True, exist_ok=True)
-        shard = Shard(k, self.routing, self.duplicates.get(k), job.workload.id_column, after, out / ".crashed")
+        shard = Shard(k, self.routing, self.duplicates.get(k), job.workload.id_column, after, crashed)
         extra = {"replica": k, "cpu_threads": self.threads}
-        res = Local(engine=self.engine, source=open_source(job.workload, shard), extra=extra).run(self.cfg, out)
+        res = Local(engine=self.engine, source=open_source(job.workload, shard), extra=extra).run(cfg, out)
+        if self.store is not None:  # its files are in the store now (a retry here would resume from them)
+            shutil.rmtree(out, ignore_errors=True)
         return int(res.summary.get("requests", 0) or 0)
+
+
+def replica_store(store: str, k: int) -> str:
+    """Where replica k keeps its files when output.path is set: `<output.path>/replicas/r<k>`."""
+    return f"{store.rstrip('/')}/replicas/r{k}"

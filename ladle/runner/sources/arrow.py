@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -20,6 +19,7 @@ from ladle.runner.sources.parquet_files import open_dataset, partition_values
 from ladle.runner.sources.rows import Row
 from ladle.runner.sources.shard import Shard
 from ladle.runner.sources.utf8 import pylist
+from ladle.runner.storage import Location
 
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
@@ -60,7 +60,7 @@ class ParquetSource(Source):
         limit = self.workload.limit
         offset = 0  # global index of the row group's first row, in the order the scanner reads
         for frag in self.dataset.get_fragments():
-            pf = pq.ParquetFile(frag.path)
+            pf = pq.ParquetFile(frag.path, filesystem=self.dataset.filesystem)
             for rg in range(pf.num_row_groups):
                 n = pf.metadata.row_group(rg).num_rows
                 end = offset + n if limit is None else min(offset + n, limit)
@@ -123,8 +123,8 @@ class ArrowSource(Source):
         return self.arrow_rows(sliced())
 
 
-def _open(f: Path) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
-    source = pa.memory_map(str(f), "r")
+def _open(f: Location) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
+    source = f.open_random()
     try:
         return pa.ipc.open_file(source)
     except pa.ArrowInvalid:
@@ -135,7 +135,7 @@ def _open(f: Path) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamRea
             raise ConfigError(f"{f} is not an Arrow IPC file or stream: {e}") from None
 
 
-def _iter_file(f: Path) -> Iterator[pa.RecordBatch]:
+def _iter_file(f: Location) -> Iterator[pa.RecordBatch]:
     reader = _open(f)
     if isinstance(reader, pa.ipc.RecordBatchFileReader):
         for i in range(reader.num_record_batches):

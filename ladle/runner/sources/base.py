@@ -16,10 +16,12 @@ import pyarrow as pa
 
 from ladle.engine.sampling_params import SamplingParams
 from ladle.runner.config import ConfigError, WorkloadConfig
+from ladle.runner.redact import redact
 from ladle.runner.sources.columns import check_column_types, check_columns, read_columns, sampling_columns
 from ladle.runner.sources.rows import Row, clean_row, klass
 from ladle.runner.sources.shard import Shard
 from ladle.runner.sources.utf8 import pylist
+from ladle.runner.storage import CREDENTIALS_HELP, Location, list_files, locate
 from ladle.runner.text import clean_str
 
 
@@ -166,22 +168,26 @@ def row_failure(what: str, exc: BaseException) -> str:
     return f"{what} could not be processed: {type(exc).__name__}: {exc}"
 
 
-def resolve_path(path: str) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"workload.path={path!r} does not exist (relative paths are from {Path.cwd()})")
-    return p
+def resolve_path(path: str) -> Location:
+    """The local path or store URI (runner/storage.py) workload.path names; a ConfigError if it is not there."""
+    loc = locate(path, "workload.path")
+    try:
+        there = loc.exists()
+    except OSError as e:  # a store that refuses (credentials, an unknown bucket): the user's to fix
+        raise ConfigError(f"workload.path={str(loc)!r} could not be read: {redact(str(e))}; {CREDENTIALS_HELP}") from None
+    if not there:
+        where = f"relative paths are from {Path.cwd()}" if loc.local else "checked through the store's API"
+        raise ConfigError(f"workload.path={str(loc)!r} does not exist ({where})")
+    return loc
 
 
-def find_files(p: Path, suffixes: tuple[str, ...], kind: str) -> list[Path]:
-    """`p` itself, or the files under it whose names end with one of these suffixes (`.jsonl.gz` counts as
-    one; hidden and `_` ones left out), sorted."""
-    if p.is_file():
-        return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(suffixes)
-                   and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
+def find_files(p: Location, suffixes: tuple[str, ...], kind: str) -> list[Location]:
+    """`p` itself, or the files under it with these suffixes (hidden and `_` ones left out), sorted."""
+    files = list_files(p, suffixes)
     if not files:
-        raise ConfigError(f"workload.path={str(p)!r} has no {'/'.join(suffixes)} files for workload.kind={kind}")
+        plain = [s for s in suffixes if not any(s.startswith(t + ".") for t in suffixes)]  # not .jsonl.gz
+        also = " (or compressed ones)" if len(plain) < len(suffixes) else ""
+        raise ConfigError(f"workload.path={str(p)!r} has no {'/'.join(plain)} files{also} for workload.kind={kind}")
     return files
 
 

@@ -17,6 +17,7 @@ from typing import BinaryIO
 import pyarrow as pa
 
 from ladle.runner.config import ConfigError
+from ladle.runner.storage import Location
 
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # extension -> codec
 # The first bytes of each format; bz2's stream header is "BZh", a block size digit, then the block magic.
@@ -30,9 +31,9 @@ def with_compressions(suffixes: tuple[str, ...]) -> tuple[str, ...]:
     return suffixes + tuple(s + c for s in suffixes for c in CODECS)
 
 
-def data_suffix(path: Path) -> str:
+def data_suffix(path: Location) -> str:
     """The extension naming the data's format, under a compression's: `.jsonl` for `data.jsonl.gz`."""
-    suffixes = [s.lower() for s in path.suffixes]
+    suffixes = [s.lower() for s in Path(path.name).suffixes]
     if len(suffixes) > 1 and suffixes[-1] in CODECS:
         return suffixes[-2]
     return suffixes[-1] if suffixes else ""
@@ -45,20 +46,22 @@ def sniffed(head: bytes) -> str | None:
     return next((name for magic, name in MAGIC if head.startswith(magic)), None)
 
 
-def _open(path: Path) -> BinaryIO:
-    codec = CODECS.get(path.suffix.lower())
+def _open(loc: Location) -> BinaryIO:
+    """The file's decompressed bytes, streamed (a store's object is never read whole)."""
+    codec = CODECS.get(loc.suffix.lower())
+    raw = loc.open_lines()
     if codec is None:
-        with open(path, "rb") as fh:
-            found = sniffed(fh.read(10))
+        found = sniffed(raw.peek(10)[:10])
         if found is not None:
+            raw.close()
             fix = ("unpack it" if found not in CODECS.values()
-                   else f"name it with its compression's extension ({path.name}{_ext(found)})")
-            raise ConfigError(f"{path} is {found}-compressed but its name does not say so: {fix}; "
+                   else f"name it with its compression's extension ({loc.name}{_ext(found)})")
+            raise ConfigError(f"{loc} is {found}-compressed but its name does not say so: {fix}; "
                               f"compressed files are read by their extension ({', '.join(CODECS)})")
-        return open(path, "rb")
+        return raw
     if codec == "xz":  # not one of pyarrow's codecs
-        return lzma.open(path, "rb")
-    return io.BufferedReader(pa.input_stream(str(path), compression=codec), READ_BUFFER)
+        return lzma.open(raw, "rb")
+    return io.BufferedReader(pa.input_stream(raw, compression=codec), READ_BUFFER)
 
 
 def _ext(codec: str) -> str:
@@ -66,14 +69,14 @@ def _ext(codec: str) -> str:
 
 
 @contextmanager
-def open_lines(path: Path) -> Iterator[BinaryIO]:
-    """`path` opened for reading its decompressed bytes; compressed data that is cut off or corrupt is a
+def open_lines(loc: Location) -> Iterator[BinaryIO]:
+    """`loc` opened for reading its decompressed bytes; compressed data that is cut off or corrupt is a
     ConfigError naming the file (found by the first full read, before the model loads)."""
-    fh = _open(path)
+    fh = _open(loc)
     try:
         yield fh
     except (OSError, EOFError, lzma.LZMAError, pa.ArrowInvalid) as e:
-        raise ConfigError(f"{path} could not be decompressed ({type(e).__name__}: {e}); the file is cut off or "
+        raise ConfigError(f"{loc} could not be decompressed ({type(e).__name__}: {e}); the file is cut off or "
                           "corrupt: write it again") from None
     finally:
         fh.close()

@@ -25,9 +25,10 @@ class HFDatasetSource(Source):
 
         super().__init__(workload, arrival_column, shard)
         p = resolve_path(workload.path)
-        self.streaming = not (p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()))
+        where = p.path if p.local else p.uri  # datasets opens store URIs itself (fsspec, the same environment)
+        self.streaming = not (p.is_dir() and (p.child("state.json").exists() or p.child("dataset_dict.json").exists()))
         if not self.streaming:
-            ds = datasets.load_from_disk(str(p))
+            ds = datasets.load_from_disk(where)
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[self._pick_split(list(ds.keys()))]
             self.num_rows = limit_total(len(ds), workload.limit)
@@ -39,9 +40,9 @@ class HFDatasetSource(Source):
             try:
                 if builder:
                     options = HF_BUILDER_OPTIONS.get((suffix, builder), {})
-                    ds = datasets.load_dataset(builder, data_files=str(p), split=split, streaming=True, **options)
+                    ds = datasets.load_dataset(builder, data_files=where, split=split, streaming=True, **options)
                 else:
-                    ds = datasets.load_dataset(str(p), split=split, streaming=True)
+                    ds = datasets.load_dataset(where, split=split, streaming=True)
             except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
                 raise ConfigError(f"workload.path={workload.path!r} could not be loaded with datasets "
                                   f"(set workload.hf_builder=json|csv|parquet|text?): {e}") from None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from ladle.runner.config import WorkloadConfig
 from ladle.runner.sources.base import (
@@ -25,6 +24,7 @@ from ladle.runner.sources.columns import check_trace_order, trace_order_columns
 from ladle.runner.sources.compressed import open_lines, with_compressions
 from ladle.runner.sources.rows import Row, batched, klass
 from ladle.runner.sources.shard import Shard
+from ladle.runner.storage import Location
 from ladle.runner.text import TooDeep, load_json
 
 JSONL_SUFFIXES = with_compressions((".jsonl", ".json", ".ndjson"))  # also .jsonl.gz, .json.zst, ...
@@ -33,12 +33,12 @@ JSONL_SUFFIXES = with_compressions((".jsonl", ".json", ".ndjson"))  # also .json
 @dataclass(slots=True)
 class Line:
     index: int  # the row index: non-blank lines before this one, in all files in order
-    path: Path
+    path: Location
     lineno: int  # in its file, from 1
     raw: bytes  # unparsed, undecoded (a line that is not UTF-8 is that row's error)
 
 
-def read_lines(files: list[Path], limit: int | None = None) -> Iterator[Line]:
+def read_lines(files: list[Location], limit: int | None = None) -> Iterator[Line]:
     """Every non-blank line of the files (decompressed by their extension), in order, at most `limit` of them."""
     index = 0
     for f in files:
@@ -52,7 +52,7 @@ def read_lines(files: list[Path], limit: int | None = None) -> Iterator[Line]:
                 index += 1
 
 
-def count_lines(files: list[Path]) -> int:
+def count_lines(files: list[Location]) -> int:
     n = 0
     for f in files:
         with open_lines(f) as fh:
@@ -60,11 +60,11 @@ def count_lines(files: list[Path]) -> int:
     return n
 
 
-def jsonl_files(workload: WorkloadConfig) -> list[Path]:
+def jsonl_files(workload: WorkloadConfig) -> list[Location]:
     return find_files(resolve_path(workload.path), JSONL_SUFFIXES, workload.kind)
 
 
-def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
+def keys_seen(files: list[Location], wanted: list[str]) -> list[str]:
     """The keys of the lines' objects, read until every `wanted` key is among them (usually on line 1; a
     key no line has reads every line). A line is parsed only while no object was seen yet, or when its
     bytes could hold a key still missing: the key as JSON writes it, or a \\u escape."""
@@ -88,7 +88,7 @@ def keys_seen(files: list[Path], wanted: list[str]) -> list[str]:
     return list(seen)
 
 
-def trace_batches(files: list[Path], workload: WorkloadConfig, size: int = 4096) -> Iterator[dict[str, list]]:
+def trace_batches(files: list[Location], workload: WorkloadConfig, size: int = 4096) -> Iterator[dict[str, list]]:
     """The columns `check_trace_order` reads, as lists of the lines' values (None where a line is no object)."""
     cols = trace_order_columns(workload)
     batch: dict[str, list] = {c: [] for c in cols}

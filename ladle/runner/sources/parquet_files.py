@@ -13,14 +13,16 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ladle.runner.config import ConfigError
+from ladle.runner.redact import redact
+from ladle.runner.storage import Location
 
 log = logging.getLogger("ladle")
 
@@ -28,32 +30,35 @@ PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 MAGIC = b"PAR1"
 
 
-def is_parquet(f: Path) -> bool:
+def is_parquet(f: Location) -> bool:
     if f.name.lower().endswith(PARQUET_SUFFIXES):
         return True
     try:
-        with open(f, "rb") as fh:
+        with f.fs.open_input_stream(f.path) as fh:
             return fh.read(4) == MAGIC
     except OSError:
         return False
 
 
-def data_files(p: Path) -> tuple[list[Path], list[Path]]:
+def data_files(p: Location) -> tuple[list[Location], list[Location]]:
     """(the Parquet data files under `p`, sorted; the other files, skipped); `p` itself when a file."""
     if p.is_file():
         return [p], []
+    base = p.path.rstrip("/") + "/"
     data, skipped = [], []
-    for f in sorted(p.rglob("*")):
-        if not f.is_file():
+    for info in sorted(p.fs.get_file_info(pafs.FileSelector(p.path, recursive=True)), key=lambda i: i.path):
+        if info.type != pafs.FileType.File:
             continue
-        hidden = any(part.startswith((".", "_")) for part in f.relative_to(p).parts)
+        rel = info.path[len(base):] if info.path.startswith(base) else info.base_name
+        f = p.child(rel)
+        hidden = any(part.startswith((".", "_")) for part in rel.split("/"))
         (skipped if hidden or not is_parquet(f) else data).append(f)
     return data, skipped
 
 
-def unified_schema(files: list[Path]) -> pa.Schema:
+def unified_schema(files: list[Location]) -> pa.Schema:
     """The parts' schemas unified with permissive promotion, or a ConfigError naming the conflict."""
-    schemas = [_decoded(pq.read_schema(f)) for f in files]
+    schemas = [_decoded(pq.read_schema(f.path, filesystem=f.fs)) for f in files]
     try:
         return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid):
@@ -67,9 +72,9 @@ def _decoded(schema: pa.Schema) -> pa.Schema:
                      metadata=schema.metadata)
 
 
-def _conflict(files: list[Path], schemas: list[pa.Schema]) -> str:
+def _conflict(files: list[Location], schemas: list[pa.Schema]) -> str:
     """Which column has types that cannot be unified, in which two files."""
-    first: dict[str, tuple[Path, pa.Schema]] = {}  # column -> (a file, its one-column schema so far)
+    first: dict[str, tuple[Location, pa.Schema]] = {}  # column -> (a file, its one-column schema so far)
     for f, schema in zip(files, schemas, strict=True):
         for field in schema:
             one = pa.schema([field])
@@ -86,34 +91,35 @@ def _conflict(files: list[Path], schemas: list[pa.Schema]) -> str:
     return "the Parquet parts' schemas cannot be unified"  # pragma: no cover - unify_schemas failed on no column
 
 
-def open_dataset(p: Path, path_text: str) -> ds.Dataset:
+def open_dataset(p: Location, path_text: str) -> ds.Dataset:
     """The dataset of `p`'s data files with one unified schema and hive partition keys as columns."""
     files, skipped = data_files(p)
+    base = p.path.rstrip("/") + "/"
     if skipped:
-        log.info("workload.path=%s: skipped %d files that are not Parquet data: %s", path_text, len(skipped),
-                 ", ".join(str(f.relative_to(p)) for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+        log.info("workload.path=%s: skipped %d files that are not Parquet data: %s", redact(path_text), len(skipped),
+                 ", ".join(f.path[len(base):] for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
     if not files:
-        raise ConfigError(f"workload.path={path_text!r} has no Parquet data files"
+        raise ConfigError(f"workload.path={redact(path_text)!r} has no Parquet data files"
                           + (f" (skipped: {', '.join(f.name for f in skipped[:5])})" if skipped else ""))
     try:
         schema = unified_schema(files)
-        names = [str(f) for f in files]
+        names = [f.path for f in files]
         if p.is_file():
-            return ds.dataset(names, schema=schema, format="parquet")
+            return ds.dataset(names, schema=schema, format="parquet", filesystem=p.fs)
         partitioning, keys = _hive_keys(names, p, path_text)
         schema = _with_partitions(schema, keys, path_text)
         return ds.dataset(names, schema=schema, format="parquet", partitioning=partitioning,
-                          partition_base_dir=str(p))
+                          partition_base_dir=p.path, filesystem=p.fs)
     except (pa.ArrowInvalid, OSError) as e:
-        raise ConfigError(f"workload.path={path_text!r} is not readable as Parquet: {e}") from None
+        raise ConfigError(f"workload.path={redact(path_text)!r} is not readable as Parquet: {redact(str(e))}") from None
 
 
-def _hive_keys(names: list[str], base: Path, path_text: str) -> tuple[ds.Partitioning | None, pa.Schema]:
+def _hive_keys(names: list[str], base: Location, path_text: str) -> tuple[ds.Partitioning | None, pa.Schema]:
     """The hive partitioning of the files under `base`, and the schema of the keys their directories name
     (pyarrow types them: `year=2024` is an integer). No key directory: (None, an empty schema)."""
     try:
         found = ds.dataset(names, format="parquet", partitioning=ds.HivePartitioning.discover(infer_dictionary=False),
-                           partition_base_dir=str(base))
+                           partition_base_dir=base.path, filesystem=base.fs)
     except pa.ArrowTypeError as e:  # a key is also a column of the first file, with another type
         raise _key_conflict(path_text, e) from None
     named = {k for frag in found.get_fragments() for k in partition_values(frag)}
