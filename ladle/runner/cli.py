@@ -100,7 +100,7 @@ def _main(cfg: DictConfig) -> None:
         if hc.mode == RunMode.MULTIRUN:
             shared = Path(hc.sweep.dir) / "calibration.json"
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
-        sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra)
+        sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
         extra = {"overrides": list(hc.overrides.task), "config_args": sources}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:

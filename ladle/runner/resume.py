@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 from omegaconf import OmegaConf
 
-from ladle.runner.config import ConfigError, OutputConfig
+from ladle.runner.config import CONF_DIR, ConfigError, OutputConfig
 from ladle.runner.sinks import (
     GENERATIONS,
     STEPS,
@@ -205,18 +205,40 @@ def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[st
     return shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
 
 
-def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str]) -> list[str]:
-    """The arguments that chose a run's config tree, from Hydra's runtime record of it: each --config-dir
-    (a command-line config source), a --config-name other than the shipped one, and hydra.searchpath.
-    Without them a resumed run with a user's model would not find its config."""
-    args = []
+def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str],
+                cwd: str | None = None) -> list[str]:
+    """The arguments that chose a run's config tree, from Hydra's runtime record of it: a --config-path
+    other than the shipped tree, each --config-dir (a command-line config source), a --config-name other
+    than the shipped one, and hydra.searchpath. Without them a resumed run with a user's configs would not
+    find them. Paths are absolute (relative ones were relative to `cwd`, where the run started), so the
+    command composes the same config from any directory."""
+    args, searchpath = [], []
     for source in config_sources:
-        if source.provider == "command-line" and source.path:
-            args += ["--config-dir", str(Path(source.path.removeprefix("file://")).resolve())]
+        where = _source_location(source, cwd)
+        if source.provider == "main" and where != f"file://{CONF_DIR}":
+            args += ["--config-path", where.removeprefix("file://")]
+        elif source.provider == "command-line" and source.path:
+            args += ["--config-dir", where.removeprefix("file://")]
+        elif source.provider == "hydra.searchpath in command-line":
+            searchpath.append(where)
     if config_name and config_name != "config":
         args += ["--config-name", config_name]
-    args += [o for o in hydra_overrides if o.split("=", 1)[0].lstrip("+~") == "hydra.searchpath"]
+    for o in hydra_overrides:
+        key = o.split("=", 1)[0]
+        if key.lstrip("+~") == "hydra.searchpath":
+            # the entries Hydra read, absolute; an override that left none (a deletion) as it was
+            args.append(f"{key}=[{','.join(map(hydra_quoted, searchpath))}]" if searchpath else o)
+            break  # Hydra reads the first one
     return args
+
+
+def _source_location(source, cwd: str | None) -> str:
+    """A config source as `scheme://path`, a file path made absolute (against `cwd`) and resolved."""
+    scheme = getattr(source, "schema", None) or "file"
+    path = source.path.removeprefix(f"{scheme}://")
+    if scheme == "file" and path:
+        path = str((Path(cwd or ".") / path).resolve())
+    return f"{scheme}://{path}"
 
 
 def hydra_quoted(value: str) -> str:
