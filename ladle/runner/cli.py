@@ -101,7 +101,7 @@ def _main(cfg: DictConfig) -> None:
             shared = Path(hc.sweep.dir) / "calibration.json"
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
         sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
-        extra = {"overrides": list(hc.overrides.task), "config_args": sources}
+        extra = {"overrides": list(hc.overrides.task), "config_args": sources, "cwd": hc.runtime.cwd}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr

@@ -194,15 +194,19 @@ def check_sweep_resume(out: Path, config_yaml: str, resume: bool, overrides: lis
             f"hydra.sweep.dir, or set output.resume=false to start these runs over")
 
 
-def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = ()) -> str:
+def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = (),
+                   cwd: str | None = None) -> str:
     """The exact command that resumes a run into out_dir: the same interpreter, the same config tree
     (config_args: a user's --config-dir, --config-name, hydra.searchpath), the same overrides, the same
-    directory."""
+    directory. `cwd`, where the run started, comes first (`cd DIR && ...`): relative paths in the
+    overrides (workload.path, model.path) and `-m ladle` from a checkout resolve from there, so the
+    command resumes wherever it is pasted."""
     # output.resume=false would start over again: the command resumes, so it leaves that override out
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
             and o.split("=", 1)[0].lstrip("+~") != "output.resume"]
     run_dir = f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"
-    return shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
+    command = shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
+    return f"cd {shlex.quote(cwd)} && {command}" if cwd else command
 
 
 def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str],

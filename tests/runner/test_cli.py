@@ -79,7 +79,9 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     (tmp_path / "myconf" / "model").mkdir(parents=True)
     tiny = (ROOT / "ladle" / "conf" / "model" / "tiny.yaml").read_text()
     (tmp_path / "myconf" / "model" / "mine.yaml").write_text(tiny.replace("name: tiny", "name: mine"))
-    cmd = [sys.executable, "-m", "ladle", "--config-dir", "myconf", "model=mine",
+    # and a relative workload.path: the resume command runs from where the run started
+    (tmp_path / "prompts.parquet").write_bytes(PROMPTS.read_bytes())
+    cmd = [sys.executable, "-m", "ladle", "--config-dir", "myconf", "model=mine", "workload.path=prompts.parquet",
            f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
     # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
@@ -108,11 +110,13 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
     assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
     resume = shlex.split(said[3].strip())
-    assert resume[:3] == [sys.executable, "-m", "ladle"] and f"hydra.run.dir='{out}'" in resume
+    assert resume[:3] == ["cd", str(tmp_path), "&&"]
+    assert resume[3:6] == [sys.executable, "-m", "ladle"] and f"hydra.run.dir='{out}'" in resume
     assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume and "model=mine" in resume
-    assert resume[3:5] == ["--config-dir", str(tmp_path / "myconf")]
-    # from another directory: the config dir is absolute
-    done = subprocess.run(resume, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert resume[6:8] == ["--config-dir", str(tmp_path / "myconf")]
+    # from another directory, through a shell as a user pastes it
+    done = subprocess.run(said[3].strip(), shell=True, cwd=out, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert pq.read_table(out / "generations.parquet").num_rows == 48
     assert json.loads((out / "summary.json").read_text())["complete"] is True

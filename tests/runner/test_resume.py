@@ -15,6 +15,7 @@ by id and row index) was written.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -135,6 +136,16 @@ def test_the_printed_resume_command_resumes():
     """After output.resume=false and Ctrl-C, the printed command carried output.resume=false: it started over."""
     cmd = resume_command(Path("/runs/x"), ["output.resume=false", "chunking.size=64", "+output.resume=False"])
     assert "output.resume" not in cmd and "chunking.size=64" in cmd
+
+
+def test_the_resume_command_runs_from_where_the_run_started():
+    """Relative paths in the overrides mean what they meant: the command changes to the run's starting
+    directory first (shell-quoted: a space in it stays one word)."""
+    import shlex
+
+    cmd = resume_command(Path("/runs/x"), ["workload.path=data/p.parquet"], cwd="/home/me/my project")
+    assert shlex.split(cmd)[:4] == ["cd", "/home/me/my project", "&&", sys.executable]
+    assert resume_command(Path("/runs/x"), []).split()[0] == sys.executable  # no starting directory: none
 
 
 def row(rid, index, k=0, error=None, tokens=1):

@@ -78,7 +78,8 @@ class Local(Executor):
         loop = Loop(self.engine, job, source, resume, writer, calibration)
         wall0 = time.perf_counter()
         interrupted = _drive(loop, writer)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
+        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []),
+                                    self.extra.get("cwd"))
         if interrupted:
             log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
                         writer.rows_this_run, writer.rows_total, out / GENERATIONS, resume_cmd)

@@ -77,7 +77,8 @@ class Ray(Executor):
             failures, config_errors, interrupted = _launch(cfg, job, out, routing, ks, duplicates)
         merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
         replicas = replica_summaries(out, ks)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
+        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []),
+                                    self.extra.get("cwd"))
         first = replicas[0] if replicas else {}
         info = {
             "executor": "ray", "num_replicas": routing.num_replicas, "routing": routing.as_dict(),
