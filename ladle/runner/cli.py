@@ -86,7 +86,7 @@ def _main(cfg: DictConfig) -> None:
     global _task_started, _sweep_dir, _sweep_runs
     _task_started = True
     from ladle.runner.job import run_job
-    from ladle.runner.resume import config_args
+    from ladle.runner.resume import config_args, sweep_overrides
     from ladle.runner.sinks import OutputError
 
     started = time.time()
@@ -102,6 +102,9 @@ def _main(cfg: DictConfig) -> None:
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
         sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
         extra = {"overrides": list(hc.overrides.task), "config_args": sources, "cwd": hc.runtime.cwd}
+        if hc.mode == RunMode.MULTIRUN:  # an interrupted job's resume command resumes the whole sweep
+            sweep = Path(hc.runtime.cwd, hc.sweep.dir).resolve()  # relative to where it started (job.chdir)
+            extra |= {"sweep_dir": str(sweep), "sweep_overrides": sweep_overrides(sweep)}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr

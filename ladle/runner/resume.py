@@ -195,18 +195,39 @@ def check_sweep_resume(out: Path, config_yaml: str, resume: bool, overrides: lis
 
 
 def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = (),
-                   cwd: str | None = None) -> str:
+                   cwd: str | None = None, multirun: bool = False) -> str:
     """The exact command that resumes a run into out_dir: the same interpreter, the same config tree
     (config_args: a user's --config-dir, --config-name, hydra.searchpath), the same overrides, the same
     directory. `cwd`, where the run started, comes first (`cd DIR && ...`): relative paths in the
     overrides (workload.path, model.path) and `-m ladle` from a checkout resolve from there, so the
-    command resumes wherever it is pasted."""
+    command resumes wherever it is pasted. `multirun`: out_dir is a sweep's directory and overrides the
+    sweep's own (values with commas), so the command resumes every job of the sweep."""
     # output.resume=false would start over again: the command resumes, so it leaves that override out
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
             and o.split("=", 1)[0].lstrip("+~") != "output.resume"]
-    run_dir = f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"
-    command = shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
+    where = f"hydra.{'sweep' if multirun else 'run'}.dir={hydra_quoted(str(out_dir.resolve()))}"
+    mode = ["--multirun"] if multirun else []
+    command = shlex.join([sys.executable or "python", "-m", "ladle", *mode, *config_args, *kept, where])
     return f"cd {shlex.quote(cwd)} && {command}" if cwd else command
+
+
+def job_resume_command(out_dir: Path, extra: dict) -> str:
+    """The resume command of a job from what the CLI recorded (an executor's `extra`): a sweep's job resumes
+    its whole sweep (the jobs after it never ran), any other job its own directory."""
+    config, cwd = extra.get("config_args", []), extra.get("cwd")
+    if extra.get("sweep_overrides") is not None:
+        return resume_command(Path(extra["sweep_dir"]), extra["sweep_overrides"], config, cwd, multirun=True)
+    return resume_command(out_dir, extra.get("overrides", []), config, cwd)
+
+
+def sweep_overrides(sweep_dir: Path) -> list[str] | None:
+    """The command-line overrides of the sweep writing into sweep_dir, from the multirun.yaml Hydra's sweeper
+    saves there (None without one: a sweeper that does not write it)."""
+    try:
+        overrides = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+    except Exception:  # noqa: BLE001 - absent or unreadable: the job's own command is printed instead
+        return None
+    return [str(o) for o in overrides]
 
 
 def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str],

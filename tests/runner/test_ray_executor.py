@@ -114,7 +114,7 @@ def test_a_replica_that_keeps_dying_fails_the_job_and_a_rerun_resumes(mixed_parq
     cfg = compose_cfg(*_args(mixed_parquet), *RAY, "output.row_group_size=4", "executor.max_restarts=0")
     with pytest.raises(RuntimeError, match=r"replica 1: its actor died more than executor.max_restarts=0 times\. "
                                            r"The 100 rows written so far are in .*generations.parquet; the same "
-                                           r"command resumes: python -m ladle"):
+                                           r"command resumes: \S*python\S* -m ladle"):
         run_job(cfg, tmp_path)
     # replica 0 finished its share (Ray Data went on without replica 1's block) and was merged
     written, n = _by_id(tmp_path / "generations.parquet")

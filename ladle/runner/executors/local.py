@@ -17,7 +17,7 @@ from ladle.runner.calibration import CALIBRATION
 from ladle.runner.config import ConfigError, JobConfig, engine_config, uses_load
 from ladle.runner.executors.base import Executor, Ran, try_plot
 from ladle.runner.loop import Loop
-from ladle.runner.resume import prepare_run_dir, resume_command
+from ladle.runner.resume import job_resume_command, prepare_run_dir
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.writer import RunWriter
@@ -78,8 +78,7 @@ class Local(Executor):
         loop = Loop(self.engine, job, source, resume, writer, calibration)
         wall0 = time.perf_counter()
         interrupted = _drive(loop, writer)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []),
-                                    self.extra.get("cwd"))
+        resume_cmd = job_resume_command(out, self.extra)
         if interrupted:
             log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
                         writer.rows_this_run, writer.rows_total, out / GENERATIONS, resume_cmd)

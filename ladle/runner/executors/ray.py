@@ -37,7 +37,7 @@ from ladle.runner.executors.replica_files import (
     replica_summaries,
 )
 from ladle.runner.executors.shards import duplicate_indices
-from ladle.runner.resume import resume_command
+from ladle.runner.resume import job_resume_command
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.sources.shard import Routing
@@ -77,8 +77,7 @@ class Ray(Executor):
             failures, config_errors, interrupted = _launch(cfg, job, out, routing, ks, duplicates)
         merge_replicas(out, job, routing.num_replicas, OmegaConf.to_yaml(cfg, resolve=True))
         replicas = replica_summaries(out, ks)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []),
-                                    self.extra.get("cwd"))
+        resume_cmd = job_resume_command(out, self.extra)
         first = replicas[0] if replicas else {}
         info = {
             "executor": "ray", "num_replicas": routing.num_replicas, "routing": routing.as_dict(),
