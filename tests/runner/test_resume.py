@@ -303,10 +303,12 @@ def test_the_resume_command_keeps_the_config_tree_the_run_was_composed_from(tmp_
     sources = [Source("hydra.conf", "pkg", "hydra"), Source(str(CONF_DIR), "file", "main"),
                Source(f"{tmp_path}/myconf", "file", "command-line"),
                Source("/extra", "file", "hydra.searchpath in command-line"),
+               Source("my_pkg.conf", "pkg", "hydra.searchpath in command-line"),
                Source("", "structured", "schema")]
-    args = config_args(sources, "mysweep", ["hydra.searchpath=[file:///extra]", "hydra.verbose=true"])
+    args = config_args(sources, "mysweep", ["hydra.searchpath=[file:///extra,pkg://my_pkg.conf]",
+                                            "hydra.verbose=true"])
     assert args == ["--config-dir", str(tmp_path / "myconf"), "--config-name", "mysweep",
-                    "hydra.searchpath=['file:///extra']"]
+                    "hydra.searchpath=['file:///extra','pkg://my_pkg.conf']"]
     assert config_args(sources[:2], "config", ["hydra.job.chdir=false"]) == []
     cmd = resume_command(tmp_path / "run", ["model=mine"], args)
     assert cmd.split()[3:6] == ["--config-dir", str(tmp_path / "myconf"), "--config-name"]
