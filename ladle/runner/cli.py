@@ -93,18 +93,18 @@ def _main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     if hc.mode == RunMode.MULTIRUN:
-        _sweep_dir = Path(hc.sweep.dir)
+        # relative to where the sweep started: with hydra.job.chdir=true this job runs inside its own directory
+        _sweep_dir = Path(hc.runtime.cwd, hc.sweep.dir).resolve()
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
         if hc.mode == RunMode.MULTIRUN:
-            shared = Path(hc.sweep.dir) / "calibration.json"
+            shared = _sweep_dir / "calibration.json"
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
         sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
         extra = {"overrides": list(hc.overrides.task), "config_args": sources, "cwd": hc.runtime.cwd}
         if hc.mode == RunMode.MULTIRUN:  # an interrupted job's resume command resumes the whole sweep
-            sweep = Path(hc.runtime.cwd, hc.sweep.dir).resolve()  # relative to where it started (job.chdir)
-            extra |= {"sweep_dir": str(sweep), "sweep_overrides": sweep_overrides(sweep)}
+            extra |= {"sweep_dir": str(_sweep_dir), "sweep_overrides": sweep_overrides(_sweep_dir)}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {e}", file=sys.stderr)  # once, on stderr

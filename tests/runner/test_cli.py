@@ -99,6 +99,20 @@ def test_the_resume_command_of_an_interrupted_sweep_resumes_the_sweep(tmp_path):
         assert json.loads((sweep / job / "summary.json").read_text())["complete"] is True
     assert pq.read_table(sweep / "sweep.parquet").num_rows == 2
 
+
+def test_a_sweep_with_job_chdir_shares_its_calibration_at_the_sweep_root(tmp_path):
+    """hydra.job.chdir=true runs each job inside its own directory: a relative hydra.sweep.dir still names
+    the sweep root where the run started, so the jobs share one arrival calibration (the sample workload's
+    documents arrive at a load) and replay the same arrivals."""
+    p = ladle("--multirun", "chunking.size=16,64", "hydra.sweep.dir=sweep", "hydra.job.chdir=true",
+              "workload.limit=4", "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    assert (sweep / "calibration.json").exists() and not (sweep / "0" / "sweep").exists()
+    calibrations = [json.loads((sweep / job / "summary.json").read_text())["arrival_calibration"]
+                    for job in ("0", "1")]
+    assert calibrations[0] == calibrations[1]
+
 def test_multirun_sweep_report(tmp_path):
     sweep = tmp_path / "sweep"
     p = ladle("--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "workload.limit=3",
