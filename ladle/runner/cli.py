@@ -86,7 +86,7 @@ def _job_output_path(cfg: DictConfig, out_dir: Path, sweep_dir: Path) -> None:
     """A sweep's jobs keep their outputs apart under output.path, as under the sweep directory
     (`<output.path>/<job subdir>`): one output.path for all would leave only the last job's files."""
     if cfg.output.path:
-        sub = out_dir.absolute().relative_to(sweep_dir.absolute()).as_posix()
+        sub = out_dir.resolve().relative_to(sweep_dir.resolve()).as_posix()
         cfg.output.path = f"{str(cfg.output.path).rstrip('/')}/{sub}"
 
 
@@ -95,7 +95,7 @@ def _main(cfg: DictConfig) -> None:
     global _task_started, _sweep_dir, _sweep_runs
     _task_started = True
     from ladle.runner.job import run_job
-    from ladle.runner.resume import config_args
+    from ladle.runner.resume import config_args, sweep_overrides
     from ladle.runner.sinks import OutputError
 
     started = time.time()
@@ -104,17 +104,20 @@ def _main(cfg: DictConfig) -> None:
     if hc.output_subdir:  # Hydra saved the command line as given: credentials in it are masked
         redact_files(out_dir / hc.output_subdir)
     if hc.mode == RunMode.MULTIRUN:
-        _sweep_dir = Path(hc.sweep.dir)
+        # relative to where the sweep started: with hydra.job.chdir=true this job runs inside its own directory
+        _sweep_dir = Path(hc.runtime.cwd, hc.sweep.dir).resolve()
         redact_files(_sweep_dir)  # Hydra's multirun.yaml holds the sweep's command line
         _job_output_path(cfg, out_dir, _sweep_dir)
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         shared = None  # a sweep's runs replay the same arrivals: one calibration at the sweep root
         if hc.mode == RunMode.MULTIRUN:
-            shared = Path(hc.sweep.dir) / "calibration.json"
+            shared = _sweep_dir / "calibration.json"
             _check_sweep_resume(out_dir, cfg, list(hc.overrides.task))
-        sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra)
-        extra = {"overrides": list(hc.overrides.task), "config_args": sources}
+        sources = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
+        extra = {"overrides": list(hc.overrides.task), "config_args": sources, "cwd": hc.runtime.cwd}
+        if hc.mode == RunMode.MULTIRUN:  # an interrupted job's resume command resumes the whole sweep
+            extra |= {"sweep_dir": str(_sweep_dir), "sweep_overrides": sweep_overrides(_sweep_dir)}
         result = run_job(cfg, out_dir, extra=extra, calibration_path=shared)
     except ConfigError as e:
         print(f"ladle: config error: {redact(str(e))}", file=sys.stderr)  # once, on stderr

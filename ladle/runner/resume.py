@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 from omegaconf import OmegaConf
 
-from ladle.runner.config import ConfigError, OutputConfig
+from ladle.runner.config import CONF_DIR, ConfigError, OutputConfig
 from ladle.runner.sinks import (
     GENERATIONS,
     STEPS,
@@ -194,29 +194,76 @@ def check_sweep_resume(out: Path, config_yaml: str, resume: bool, overrides: lis
             f"hydra.sweep.dir, or set output.resume=false to start these runs over")
 
 
-def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = ()) -> str:
+def resume_command(out_dir: Path, overrides: list[str], config_args: Iterable[str] = (),
+                   cwd: str | None = None, multirun: bool = False) -> str:
     """The exact command that resumes a run into out_dir: the same interpreter, the same config tree
     (config_args: a user's --config-dir, --config-name, hydra.searchpath), the same overrides, the same
-    directory."""
+    directory. `cwd`, where the run started, comes first (`cd DIR && ...`): relative paths in the
+    overrides (workload.path, model.path) and `-m ladle` from a checkout resolve from there, so the
+    command resumes wherever it is pasted. `multirun`: out_dir is a sweep's directory and overrides the
+    sweep's own (values with commas), so the command resumes every job of the sweep."""
     # output.resume=false would start over again: the command resumes, so it leaves that override out
     kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
             and o.split("=", 1)[0].lstrip("+~") != "output.resume"]
-    run_dir = f"hydra.run.dir={hydra_quoted(str(out_dir.resolve()))}"
-    return shlex.join([sys.executable or "python", "-m", "ladle", *config_args, *kept, run_dir])
+    where = f"hydra.{'sweep' if multirun else 'run'}.dir={hydra_quoted(str(out_dir.resolve()))}"
+    mode = ["--multirun"] if multirun else []
+    command = shlex.join([sys.executable or "python", "-m", "ladle", *mode, *config_args, *kept, where])
+    return f"cd {shlex.quote(cwd)} && {command}" if cwd else command
 
 
-def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str]) -> list[str]:
-    """The arguments that chose a run's config tree, from Hydra's runtime record of it: each --config-dir
-    (a command-line config source), a --config-name other than the shipped one, and hydra.searchpath.
-    Without them a resumed run with a user's model would not find its config."""
-    args = []
+def job_resume_command(out_dir: Path, extra: dict) -> str:
+    """The resume command of a job from what the CLI recorded (an executor's `extra`): a sweep's job resumes
+    its whole sweep (the jobs after it never ran), any other job its own directory."""
+    config, cwd = extra.get("config_args", []), extra.get("cwd")
+    if extra.get("sweep_overrides") is not None:
+        return resume_command(Path(extra["sweep_dir"]), extra["sweep_overrides"], config, cwd, multirun=True)
+    return resume_command(out_dir, extra.get("overrides", []), config, cwd)
+
+
+def sweep_overrides(sweep_dir: Path) -> list[str] | None:
+    """The command-line overrides of the sweep writing into sweep_dir, from the multirun.yaml Hydra's sweeper
+    saves there (None without one: a sweeper that does not write it)."""
+    try:
+        overrides = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+    except Exception:  # noqa: BLE001 - absent or unreadable: the job's own command is printed instead
+        return None
+    return [str(o) for o in overrides]
+
+
+def config_args(config_sources: Iterable, config_name: str | None, hydra_overrides: Iterable[str],
+                cwd: str | None = None) -> list[str]:
+    """The arguments that chose a run's config tree, from Hydra's runtime record of it: a --config-path
+    other than the shipped tree, each --config-dir (a command-line config source), a --config-name other
+    than the shipped one, and hydra.searchpath. Without them a resumed run with a user's configs would not
+    find them. Paths are absolute (relative ones were relative to `cwd`, where the run started), so the
+    command composes the same config from any directory."""
+    args, searchpath = [], []
     for source in config_sources:
-        if source.provider == "command-line" and source.path:
-            args += ["--config-dir", str(Path(source.path.removeprefix("file://")).resolve())]
+        where = _source_location(source, cwd)
+        if source.provider == "main" and where != f"file://{CONF_DIR}":
+            args += ["--config-path", where.removeprefix("file://")]
+        elif source.provider == "command-line" and source.path:
+            args += ["--config-dir", where.removeprefix("file://")]
+        elif source.provider == "hydra.searchpath in command-line":
+            searchpath.append(where)
     if config_name and config_name != "config":
         args += ["--config-name", config_name]
-    args += [o for o in hydra_overrides if o.split("=", 1)[0].lstrip("+~") == "hydra.searchpath"]
+    for o in hydra_overrides:
+        key = o.split("=", 1)[0]
+        if key.lstrip("+~") == "hydra.searchpath":
+            # the entries Hydra read, absolute; an override that left none (a deletion) as it was
+            args.append(f"{key}=[{','.join(map(hydra_quoted, searchpath))}]" if searchpath else o)
+            break  # Hydra reads the first one
     return args
+
+
+def _source_location(source, cwd: str | None) -> str:
+    """A config source as `scheme://path`, a file path made absolute (against `cwd`) and resolved."""
+    scheme = getattr(source, "schema", None) or "file"
+    path = source.path.removeprefix(f"{scheme}://")
+    if scheme == "file" and path:
+        path = str((Path(cwd or ".") / path).resolve())
+    return f"{scheme}://{path}"
 
 
 def hydra_quoted(value: str) -> str:

@@ -50,6 +50,69 @@ def test_default_config(tmp_path):
     assert summary["model"] == "tiny" and summary["overrides"][0] == "workload.limit=4"
 
 
+
+def _interrupt_when_rows_are_written(cmd: list[str], cwd: Path, tmp: Path) -> tuple[int, str]:
+    """Run `cmd`, send it SIGINT once `tmp` (a generations.parquet.tmp) holds a few row groups; (exit
+    status, stdout + stderr)."""
+    import signal
+    import time
+
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
+    # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
+    # a handled SIGINT instead (exec resets a handler to the default), as a terminal's Ctrl-C finds it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if tmp.exists() and tmp.stat().st_size > 3000:  # a few row groups are on disk
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stdout + stderr
+
+
+def test_the_resume_command_of_an_interrupted_sweep_resumes_the_sweep(tmp_path):
+    """Ctrl-C in a multirun's first job: the printed command is the sweep's own (--multirun, the swept
+    values, the sweep directory), so running it finishes the first job and runs the second, which the
+    interrupted sweep never started."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "ladle", "--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}",
+           "output.row_group_size=1", "max_num_seqs=2", "sampling.max_tokens=32", "sampling.ignore_eos=true",
+           "output.progress=false", "output.plots=false", "cache.max_model_len=512"]
+    code, said = _interrupt_when_rows_are_written(cmd, tmp_path, sweep / "0" / "generations.parquet.tmp")
+    assert code == 130, said[-3000:]
+    assert not (sweep / "1").exists()
+    command = re.search(r"to resume, run: (.*)", said)[1].strip()
+    resume = shlex.split(command)
+    assert resume[3:7] == [sys.executable, "-m", "ladle", "--multirun"] and "chunking.size=16,64" in resume
+    assert f"hydra.sweep.dir='{sweep}'" in resume
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
+    done = subprocess.run(command, shell=True, cwd=sweep, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for job in ("0", "1"):
+        assert pq.read_table(sweep / job / "generations.parquet").num_rows == 48
+        assert json.loads((sweep / job / "summary.json").read_text())["complete"] is True
+    assert pq.read_table(sweep / "sweep.parquet").num_rows == 2
+
+
+def test_a_sweep_with_job_chdir_shares_its_calibration_at_the_sweep_root(tmp_path):
+    """hydra.job.chdir=true runs each job inside its own directory: a relative hydra.sweep.dir still names
+    the sweep root where the run started, so the jobs share one arrival calibration (the sample workload's
+    documents arrive at a load) and replay the same arrivals."""
+    p = ladle("--multirun", "chunking.size=16,64", "hydra.sweep.dir=sweep", "hydra.job.chdir=true",
+              "workload.limit=4", "output.plots=false", *FAST, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    assert (sweep / "calibration.json").exists() and not (sweep / "0" / "sweep").exists()
+    calibrations = [json.loads((sweep / job / "summary.json").read_text())["arrival_calibration"]
+                    for job in ("0", "1")]
+    assert calibrations[0] == calibrations[1]
+
 def test_multirun_sweep_report(tmp_path):
     sweep = tmp_path / "sweep"
     p = ladle("--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}", "workload.limit=3",
@@ -79,7 +142,9 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     (tmp_path / "myconf" / "model").mkdir(parents=True)
     tiny = (ROOT / "ladle" / "conf" / "model" / "tiny.yaml").read_text()
     (tmp_path / "myconf" / "model" / "mine.yaml").write_text(tiny.replace("name: tiny", "name: mine"))
-    cmd = [sys.executable, "-m", "ladle", "--config-dir", "myconf", "model=mine",
+    # and a relative workload.path: the resume command runs from where the run started
+    (tmp_path / "prompts.parquet").write_bytes(PROMPTS.read_bytes())
+    cmd = [sys.executable, "-m", "ladle", "--config-dir", "myconf", "model=mine", "workload.path=prompts.parquet",
            f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
     # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
@@ -108,11 +173,13 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     assert said and int(said[1]) == int(said[2]) == len(rows), stdout + stderr
     assert "INCOMPLETE" in stdout and f"resume with: {summary['resume_command']}" in stdout
     resume = shlex.split(said[3].strip())
-    assert resume[:3] == [sys.executable, "-m", "ladle"] and f"hydra.run.dir='{out}'" in resume
+    assert resume[:3] == ["cd", str(tmp_path), "&&"]
+    assert resume[3:6] == [sys.executable, "-m", "ladle"] and f"hydra.run.dir='{out}'" in resume
     assert "sampling.max_tokens=32" in resume and "max_num_seqs=2" in resume and "model=mine" in resume
-    assert resume[3:5] == ["--config-dir", str(tmp_path / "myconf")]
-    # from another directory: the config dir is absolute
-    done = subprocess.run(resume, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert resume[6:8] == ["--config-dir", str(tmp_path / "myconf")]
+    # from another directory, through a shell as a user pastes it
+    done = subprocess.run(said[3].strip(), shell=True, cwd=out, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert pq.read_table(out / "generations.parquet").num_rows == 48
     assert json.loads((out / "summary.json").read_text())["complete"] is True

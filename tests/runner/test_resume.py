@@ -15,6 +15,7 @@ by id and row index) was written.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from ladle.runner.config import ConfigError, OutputConfig, to_job_config
+from ladle.runner.config import CONF_DIR, ConfigError, OutputConfig, to_job_config
 from ladle.runner.executors.local import Local
 from ladle.runner.executors.replica import replica_cfg
 from ladle.runner.executors.replica_files import merge_replicas, replica_dir
@@ -135,6 +136,16 @@ def test_the_printed_resume_command_resumes():
     """After output.resume=false and Ctrl-C, the printed command carried output.resume=false: it started over."""
     cmd = resume_command(Path("/runs/x"), ["output.resume=false", "chunking.size=64", "+output.resume=False"])
     assert "output.resume" not in cmd and "chunking.size=64" in cmd
+
+
+def test_the_resume_command_runs_from_where_the_run_started():
+    """Relative paths in the overrides mean what they meant: the command changes to the run's starting
+    directory first (shell-quoted: a space in it stays one word)."""
+    import shlex
+
+    cmd = resume_command(Path("/runs/x"), ["workload.path=data/p.parquet"], cwd="/home/me/my project")
+    assert shlex.split(cmd)[:4] == ["cd", "/home/me/my project", "&&", sys.executable]
+    assert resume_command(Path("/runs/x"), []).split()[0] == sys.executable  # no starting directory: none
 
 
 def row(rid, index, k=0, error=None, tokens=1):
@@ -283,16 +294,82 @@ class _InterruptAfter:
 
 def test_the_resume_command_keeps_the_config_tree_the_run_was_composed_from(tmp_path):
     """A user's --config-dir (made absolute), --config-name and hydra.searchpath go into the command;
-    the shipped tree (the package's own source, the main config name) and other hydra overrides do not."""
+    the shipped tree (the package's own source, the main config name) and other hydra overrides do not.
+    The sources are as Hydra records them: a path without its scheme, the scheme apart."""
     class Source:
-        def __init__(self, path: str, provider: str) -> None:
-            self.path, self.provider = path, provider
+        def __init__(self, path: str, schema: str, provider: str) -> None:
+            self.path, self.schema, self.provider = path, schema, provider
 
-    sources = [Source("pkg://hydra.conf", "hydra"), Source("file:///pkg/ladle/conf", "main"),
-               Source(f"file://{tmp_path}/myconf", "command-line")]
-    args = config_args(sources, "mysweep", ["hydra.searchpath=[file:///extra]", "hydra.verbose=true"])
+    sources = [Source("hydra.conf", "pkg", "hydra"), Source(str(CONF_DIR), "file", "main"),
+               Source(f"{tmp_path}/myconf", "file", "command-line"),
+               Source("/extra", "file", "hydra.searchpath in command-line"),
+               Source("my_pkg.conf", "pkg", "hydra.searchpath in command-line"),
+               Source("", "structured", "schema")]
+    args = config_args(sources, "mysweep", ["hydra.searchpath=[file:///extra,pkg://my_pkg.conf]",
+                                            "hydra.verbose=true"])
     assert args == ["--config-dir", str(tmp_path / "myconf"), "--config-name", "mysweep",
-                    "hydra.searchpath=[file:///extra]"]
+                    "hydra.searchpath=['file:///extra','pkg://my_pkg.conf']"]
     assert config_args(sources[:2], "config", ["hydra.job.chdir=false"]) == []
     cmd = resume_command(tmp_path / "run", ["model=mine"], args)
     assert cmd.split()[3:6] == ["--config-dir", str(tmp_path / "myconf"), "--config-name"]
+
+
+# A Hydra app composed as ladle's CLI composes (the shipped tree as its primary config path) that prints the
+# config_args of its run and the model it composed: run again with those args from another directory, it
+# must compose the same model.
+CONFIG_TREE_APP = """
+import json
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from ladle.runner.config import CONF_DIR, register_configs
+from ladle.runner.resume import config_args
+
+register_configs()
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg):
+    hc = HydraConfig.get()
+    args = config_args(hc.runtime.config_sources, hc.job.config_name, hc.overrides.hydra, hc.runtime.cwd)
+    print(json.dumps({"args": args, "model": cfg.model.name}))
+
+main()
+"""
+
+
+def _compose(app: Path, args: list[str], cwd: Path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), HYDRA_FULL_ERROR="1")
+    p = subprocess.run([sys.executable, str(app), *args, "hydra.output_subdir=null", f"hydra.run.dir={cwd}/run"],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("how", ["config-path", "relative searchpath", "searchpath with a space"])
+def test_the_resume_arguments_compose_the_same_config_from_another_directory(tmp_path, how):
+    """The arguments that chose the run's config tree, as Hydra recorded them, compose the same config when
+    given again from another directory: a user's own primary config (--config-path: without it the resumed
+    run composes the shipped tree), and hydra.searchpath entries relative to where the run started (or with
+    a space in their path)."""
+    app = tmp_path / "app.py"
+    app.write_text(CONFIG_TREE_APP)
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tiny = (Path(__file__).resolve().parents[2] / "ladle" / "conf" / "model" / "tiny.yaml").read_text()
+    folder = "my conf" if how == "searchpath with a space" else "myconf"
+    (start / folder / "model").mkdir(parents=True)
+    (start / folder / "model" / "mine.yaml").write_text(tiny.replace("name: tiny", "name: mine"))
+    if how == "config-path":
+        (start / folder / "own.yaml").write_text("defaults:\n  - model: mine\n  - _self_\n")
+        given = ["--config-path", str(start / folder), "--config-name", "own"]
+    else:
+        given = ["hydra.searchpath=['file://" + folder + "']", "model=mine"]
+    first = _compose(app, given, start)
+    assert first["model"] == "mine"
+    task = [a for a in given if a.startswith("model=")]
+    again = _compose(app, [*first["args"], *task], elsewhere)
+    assert again == first

@@ -18,7 +18,7 @@ from ladle.runner.config import ConfigError, JobConfig, engine_config, uses_load
 from ladle.runner.executors.base import Executor, Ran, try_plot
 from ladle.runner.loop import Loop
 from ladle.runner.redact import redact
-from ladle.runner.resume import prepare_run_dir, resume_command
+from ladle.runner.resume import job_resume_command, prepare_run_dir
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.writer import RunWriter
@@ -79,7 +79,7 @@ class Local(Executor):
         loop = Loop(self.engine, job, source, resume, writer, calibration)
         wall0 = time.perf_counter()
         interrupted = _drive(loop, writer)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
+        resume_cmd = job_resume_command(out, self.extra)
         if interrupted:
             log.warning("interrupted: %d requests written by this run, %d in %s in all; to resume, run: %s",
                         writer.rows_this_run, writer.rows_total, out / GENERATIONS, resume_cmd)

@@ -41,7 +41,7 @@ from ladle.runner.executors.shards import duplicate_indices
 from ladle.runner.output_store import fetch, output_location
 from ladle.runner.redact import redact
 from ladle.runner.report import SUMMARY
-from ladle.runner.resume import resume_command
+from ladle.runner.resume import job_resume_command
 from ladle.runner.sinks import GENERATIONS, STEPS
 from ladle.runner.sources import Source, open_source
 from ladle.runner.sources.shard import Routing
@@ -88,7 +88,7 @@ class Ray(Executor):
             _settle_start_over(out, failures, config_errors, interrupted)
         merge_replicas(out, job, routing.num_replicas, redact(OmegaConf.to_yaml(cfg, resolve=True)))
         replicas = replica_summaries(out, ks)
-        resume_cmd = resume_command(out, self.extra.get("overrides", []), self.extra.get("config_args", []))
+        resume_cmd = job_resume_command(out, self.extra)
         first = replicas[0] if replicas else {}
         info = {
             "executor": "ray", "num_replicas": routing.num_replicas, "routing": routing.as_dict(),
