@@ -32,7 +32,9 @@ def test_legacy_and_saved_forms_agree(name):
         a, b = arch_from_config(legacy), arch_from_config(saved_form(name))
     assert a == b
     config = hf_config(name)
-    assert a.layer_types == list(getattr(config, "layer_types", None) or ["full_attention"] * a.num_layers)
+    # Families without layer_types (Mistral, Phi-3, Mixtral) slide in every layer when a window is set.
+    every = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    assert a.layer_types == list(getattr(config, "layer_types", None) or [every] * a.num_layers)
     assert a.head_dim == config.head_dim and a.num_kv_heads == config.num_key_value_heads
 
 

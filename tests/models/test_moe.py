@@ -1,0 +1,66 @@
+"""The mixture-of-experts layer: one call per active expert per forward, transformers' routing, and a row's
+output bitwise the same alone or among any other rows (deterministic mode's batch invariance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ladle.models import load_model
+from ladle.models.moe import SparseMoE
+from tests.conftest import build_tiny_hf_model
+
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+def sparse_layers(model) -> list[tuple[int, SparseMoE]]:
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_each_routed_expert_runs_once_per_forward(tiny_hf_model_dir, family):
+    model = load_model(str(tiny_hf_model_dir(family)), None, torch.float32, "cpu")
+    layers = sparse_layers(model)
+    assert layers and (family != "qwen3_moe" or [i for i, _ in layers] == [0, 2])  # mlp_only_layers=[1]
+    _, moe = layers[0]
+    calls = [0] * moe.num_experts
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda *_, e=e: calls.__setitem__(e, calls[e] + 1))
+    x = torch.randn(37, model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        _, routed = moe.route(x)
+        moe(x)
+    assert calls == [1 if e in set(routed.flatten().tolist()) else 0 for e in range(moe.num_experts)]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_block_matches_transformers(tiny_hf_model_dir, family):
+    hf = build_tiny_hf_model(family)
+    model = load_model(str(tiny_hf_model_dir(family)), None, torch.float32, "cpu")
+    i, moe = sparse_layers(model)[0]
+    hf_block = hf.model.layers[i].mlp
+    x = torch.randn(1, 50, model.arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf_block(x)
+        got = moe(x[0])
+    torch.testing.assert_close(got, ref[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(tiny_hf_model_dir, family, threads):
+    model = load_model(str(tiny_hf_model_dir(family)), None, torch.float32, "cpu")
+    model.set_deterministic(True)
+    _, moe = sparse_layers(model)[0]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, model.arch.hidden_size, generator=gen)
+    with torch.inference_mode():
+        alone = torch.cat([moe(x[r:r + 1]) for r in range(x.shape[0])])
+        for rows in (2, 7, 64):
+            perm = torch.randperm(x.shape[0], generator=gen)[:rows]
+            assert torch.equal(moe(x[perm]), alone[perm]), rows
+
+
+def test_compile_is_refused_with_the_fix(tiny_hf_model_dir):
+    model = load_model(str(tiny_hf_model_dir("mixtral")), None, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="model.compile=false"):
+        model.enable_compile()
