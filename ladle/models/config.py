@@ -108,7 +108,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
-        "attention_bias": True,  # q/k/v only (o_proj has none)
         "use_sliding_window": False,
         "sliding_window": 4096,
         "max_window_layers": 28,
@@ -474,16 +473,18 @@ def arch_from_config(config: dict[str, Any], generation_config: dict[str, Any] |
 
 
 def _projection_fields(cfg: dict[str, Any], family: str, head_dim: int) -> dict[str, Any]:
-    """Biases (Llama's attention_bias covers o_proj too, Qwen2's only q/k/v) and the rotary width (Phi's
-    partial_rotary_factor, top level or in rope_parameters)."""
-    bias = bool(cfg.get("attention_bias"))
+    """Biases as transformers' attention classes set them (attention_bias covers q/k/v and o for Llama,
+    Qwen3 and Gemma 3; Qwen2 always biases q/k/v and never o; Mistral, Phi-3 and Mixtral never bias) and
+    the rotary width (Phi's partial_rotary_factor, top level or in rope_parameters)."""
+    bias = bool(cfg.get("attention_bias")) and family not in ("mistral", "phi3", "mixtral")
+    qkv_bias, o_bias = (True, False) if family == "qwen2" else (bias, bias)
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     factor = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
     rotary_dim = int(head_dim * factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"partial_rotary_factor={factor} gives {rotary_dim} rotary dims of head_dim={head_dim}: "
                          f"it must be an even count in (0, head_dim]")
-    return {"attention_bias": bias, "o_proj_bias": bias and family == "llama", "rotary_dim": rotary_dim}
+    return {"attention_bias": qkv_bias, "o_proj_bias": o_bias, "rotary_dim": rotary_dim}
 
 
 def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
