@@ -87,7 +87,7 @@ def main() -> None:
     shapes = ["tiny"] if args.quick else list(SHAPES)
     repeats = 3 if args.quick else args.repeats
     rows = [measure(s, int(t), repeats) for s in shapes for t in args.tokens.split(",")]
-    headers = ["shape", "tokens", "transformers ms", "ladle ms", "speed-up (median of ratios)", "max |diff|"]
+    headers = ["shape", "tokens", "transformers ms", "ladle ms", "speed-up (median of ratios)", "max abs diff"]
     shapes_text = ", ".join(f"{n}: hidden {h}, {e} experts, top {k}, expert intermediate {i}"
                             for n, (h, e, k, i) in SHAPES.items())
     body = f"threads {threads}, float32; {shapes_text}\n\n{benchutil.markdown_table(headers, rows)}\n"

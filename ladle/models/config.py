@@ -426,20 +426,7 @@ def arch_from_config(config: dict[str, Any], generation_config: dict[str, Any] |
     if SLIDING in layer_types and not sliding:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
     eos = _ids((generation_config or {}).get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    attn_softcap = cfg.get("attn_logit_softcapping")
-    if family == "gemma3":
-        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
-        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
-        if attn_softcap is not None:
-            # transformers' Gemma 3 keeps this key but never applies it (q/k norm replaced it), so neither
-            # does ladle: outputs must match the reference implementation checkpoints are validated on.
-            warnings.warn(
-                f"Gemma 3 ignores attn_logit_softcapping={attn_softcap} (as transformers does)", stacklevel=2
-            )
-            attn_softcap = None
-    else:
-        scale = head_dim**-0.5
-        act = cfg.get("hidden_act") or "silu"
+    scale, act, attn_softcap = _scale_activation_softcap(cfg, family, head_dim)
     return ModelArch(
         name=cfg.get("model_type") or ARCHITECTURES[arch_name][1],
         family=family,
@@ -470,6 +457,19 @@ def arch_from_config(config: dict[str, Any], generation_config: dict[str, Any] |
         **_projection_fields(cfg, family, head_dim),
         **_moe_fields(cfg, family),
     )
+
+
+def _scale_activation_softcap(cfg: dict[str, Any], family: str, head_dim: int) -> tuple[float, str, float | None]:
+    """The softmax scale, the MLP activation and the attention logit soft-cap (Gemma's own keys)."""
+    attn_softcap = cfg.get("attn_logit_softcapping")
+    if family != "gemma3":
+        return head_dim**-0.5, cfg.get("hidden_act") or "silu", attn_softcap
+    if attn_softcap is not None:
+        # transformers' Gemma 3 keeps this key but never applies it (q/k norm replaced it), so neither
+        # does ladle: outputs must match the reference implementation checkpoints are validated on.
+        warnings.warn(f"Gemma 3 ignores attn_logit_softcapping={attn_softcap} (as transformers does)", stacklevel=3)
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    return float(cfg["query_pre_attn_scalar"]) ** -0.5, act, None
 
 
 def _projection_fields(cfg: dict[str, Any], family: str, head_dim: int) -> dict[str, Any]:

@@ -64,3 +64,32 @@ def test_compile_is_refused_with_the_fix(tiny_hf_model_dir):
     model = load_model(str(tiny_hf_model_dir("mixtral")), None, torch.float32, "cpu")
     with pytest.raises(ValueError, match="model.compile=false"):
         model.enable_compile()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen3_moe_block_with_and_without_renormalised_weights(norm_topk_prob):
+    """transformers' Qwen3MoeConfig leaves norm_topk_prob False by default (the 30B-A3B checkpoint sets it)."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from ladle.models import arch_from_config
+
+    config = transformers.Qwen3MoeConfig(hidden_size=48, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                                         norm_topk_prob=norm_topk_prob, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(3)
+    block = Qwen3MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    ours = SparseMoE(arch_from_config({**config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}))
+    with torch.no_grad():
+        ours.gate.weight.copy_(block.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(block.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+    x = torch.randn(1, 40, 48, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x[0]), block(x)[0], atol=1e-5, rtol=1e-5)
+        empty = ours(x[0, :0])  # a forward whose last layer keeps no row
+    assert empty.shape == (0, 48)
