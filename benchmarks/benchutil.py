@@ -29,6 +29,7 @@ RESULTS = REPO / "benchmarks" / "results"  # the scripts' full reports (--write-
 # report name -> its title
 SECTIONS = {
     "itl_stability": "ITL stability: chunked vs unchunked prefill under Poisson long-prompt arrivals",
+    "moe_cpu": "Mixture of experts on the CPU: ladle's grouped forward vs transformers' MoE block",
     "throughput_vs_transformers": "Offline throughput: ladle vs transformers continuous batching",
     "forward_efficiency": "Forward efficiency: FLOP/s vs torch GEMM, eager vs compiled, 1 vs 2 threads",
     "step_breakdown": "Step breakdown: where a step's time goes",

@@ -93,12 +93,46 @@ TINY_HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             final_logit_softcapping=3.0,
         ),
     ),
+    # q/k/v biases; layers 1 and 2 slide (max_window_layers=1), window 16
+    "qwen2": (
+        "Qwen2Config",
+        dict(_COMMON, rope_theta=10000.0, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
+    "mistral": ("MistralConfig", dict(_COMMON, rope_theta=10000.0, sliding_window=16)),
+    # partial rotary (8 of 16 dims), LongRoPE whose switch (320) falls inside a 300-token prompt's
+    # continuation, attention factor from max/original positions; tied embeddings as Phi-4-mini
+    "phi3": (
+        "Phi3Config",
+        dict(
+            _COMMON,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=320,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+                          "long_factor": [1.1, 2.5, 6.0, 11.0]},
+            tie_word_embeddings=True,
+        ),
+    ),
+    # 8 experts, top 2, renormalised (as Qwen3-30B-A3B); layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+             mlp_only_layers=[1], rope_theta=1000000.0),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0),
+    ),
 }
 
 _MODEL_CLASSES = {
     "LlamaConfig": "LlamaForCausalLM",
     "Qwen3Config": "Qwen3ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Phi3Config": "Phi3ForCausalLM",
+    "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM",
 }
 
 

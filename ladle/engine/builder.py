@@ -216,6 +216,11 @@ def graph_tokens(config: EngineConfig) -> int:
     return max(config.max_num_seqs, token_buckets(mixed)[-1] if mixed else 0)
 
 
+def graphs_capturable(model: torch.nn.Module) -> bool:
+    """Every layer of the model can be recorded in a CUDA graph (a layer says so by `graph_capturable`)."""
+    return all(getattr(m, "graph_capturable", True) for m in model.modules())
+
+
 def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
     """CUDA with model.cuda_graphs and the Triton kernels: capture the mixed-step graphs, then the decode
     graphs into the same pool, over the engine's own KV cache (the graphs record its addresses). Returns
@@ -224,6 +229,10 @@ def capture_graphs(config: EngineConfig, parts: EngineParts) -> float | None:
     from ladle.engine.mixed_graphs import MixedGraphs
 
     if not uses_graphs(config, parts.planned.device):
+        return None
+    if not graphs_capturable(parts.model):
+        log.info("CUDA graphs off: the model has layers a graph cannot record (mixture-of-experts routing reads "
+                 "per-expert token counts on the host); its steps run eagerly")
         return None
     mc, kv, cache, runner = config.model, parts.kv, config.cache, parts.model_runner
     seconds, pool = 0.0, None

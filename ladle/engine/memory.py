@@ -209,7 +209,8 @@ def profile_peak_bytes(model, num_tokens: int, max_model_len: int, backend: str 
 
 
 def shape_of(arch) -> ModelShape:
-    return ModelShape(arch.num_parameters(), arch.num_layers, arch.hidden_size, arch.intermediate_size,
+    # intermediate_size: the MLP's activations per token (an MoE's top-k copies, models/config.py)
+    return ModelShape(arch.num_parameters(), arch.num_layers, arch.hidden_size, arch.mlp_activation_width(),
                       arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size)
 
 

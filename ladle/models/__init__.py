@@ -1,4 +1,5 @@
-"""Llama 3.x, Qwen3 and Gemma 3 (text) in plain PyTorch, their weight loading and tokenizers.
+"""The model families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Phi-3/4, Gemma 3, Qwen3-MoE, Mixtral) in plain
+PyTorch, their weight loading and tokenizers.
 
 Use: `model = load_model(path, architecture, dtype, device, seed)`, then per step
 `hidden = model(input_ids, positions, kv_caches, meta)` ([T, hidden], or the rows of meta.outputs when

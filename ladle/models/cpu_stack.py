@@ -27,7 +27,7 @@ from ladle.kernels import AttentionMetadata, cpu_fused, cpu_gemm, cpu_layers, cp
 from ladle.kernels import cpu_build as attention_build
 from ladle.kernels.dispatch import get_backend
 from ladle.models.attention_op import forward_context
-from ladle.models.layers import Linear, fused_cpu
+from ladle.models.layers import MLP, Linear, fused_cpu
 from ladle.models.llama import LlamaDecoderLayer
 
 _ops: list[cpu_layers.StackOps] = []  # the kernels' entry points, taken once
@@ -71,6 +71,8 @@ def _weights(layer: nn.Module) -> cpu_layers.StackLayer | None:
     if type(layer) is not LlamaDecoderLayer or _hooked(layer):
         return None
     attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is not MLP or attn.rotary_dim != attn.head_dim:
+        return None  # a mixture of experts, partial rotary: op by op
     if attn.split_q or attn.softcap is not None or attn.head_dim > cpu_fused.MAX_HEAD_DIM \
             or attn.num_heads % attn.num_kv_heads != 0 or not cpu_fused.enabled():
         return None

@@ -113,13 +113,16 @@ class RMSNorm(nn.Module):
         return self(x), x
 
 
-def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32) for rope types default, linear and llama3."""
+def rope_inv_freq(params: dict, head_dim: int, factors: str = "short_factor") -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) for rope types default, linear, llama3 and longrope
+    (its `factors`: "short_factor" or "long_factor"). head_dim: the rotated width."""
     base = params["rope_theta"]
     # Explicitly on CPU: models are built under torch.device("meta"), the table must hold real values.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (base**exponent)
     kind = params["rope_type"]
+    if kind == "longrope":
+        return 1.0 / (torch.tensor(params[factors], dtype=torch.float32, device="cpu") * base**exponent)
+    inv_freq = 1.0 / (base**exponent)
     if kind == "linear":
         return inv_freq / params["factor"]
     if kind == "llama3":
@@ -143,10 +146,22 @@ class RotaryEmbedding:
     once and never reallocated mid-run (CUDA graphs can hold on to it). The tables are full head dim:
     cos = cat(cos, cos) as HF builds it, and sin = cat(-sin, sin), the sign of rotate_half folded in, so
     applying RoPE is x * cos + roll(x, D/2) * sin: four ops instead of seven, each rounding as HF's do.
+
+    LongRoPE (Phi-3/4) switches by position: positions below original_max_position_embeddings take the
+    short factors, later ones the long factors, and both tables are scaled by the attention factor. That is
+    transformers' choice for every sequence whose prompt fits the original length (it picks the set by the
+    longest position of each forward); a longer prompt gets the long set from its first position there,
+    here only past the original length. A fixed table per position keeps chunked prefill, prefix caching
+    and batching from changing a cached key.
     """
 
     def __init__(self, params: dict, head_dim: int, max_positions: int):
         self.inv_freq = rope_inv_freq(params, head_dim)
+        self.long_inv_freq = self.switch = None
+        self.attention_factor = params.get("attention_factor", 1.0)
+        if params["rope_type"] == "longrope":
+            self.long_inv_freq = rope_inv_freq(params, head_dim, "long_factor")
+            self.switch = params["original_max_position_embeddings"]
         self.max_positions = max_positions
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -159,7 +174,13 @@ class RotaryEmbedding:
             n = max(length, self.max_positions, 0 if table is None else 2 * table[0].shape[0])
             pos = torch.arange(n, device=device, dtype=torch.int64).float()
             freqs = torch.outer(pos, self.inv_freq.to(device))  # float32, as HF computes them
-            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            if self.long_inv_freq is not None:
+                long = torch.outer(pos, self.long_inv_freq.to(device))
+                freqs = torch.where((pos >= self.switch).unsqueeze(1), long, freqs)
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            cos, sin = cos.to(dtype), sin.to(dtype)
             table = self._tables[key] = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return table
 
@@ -239,6 +260,7 @@ class Attention(nn.Module):
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         bias = arch.attention_bias
+        self.rotary_dim = arch.rotary_dim or d  # Phi's partial rotary: the rest of each head passes unrotated
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         # The last layer attends with only the rows the caller reads (CausalLM passes `rows`), so its
         # queries are projected for those rows alone: q apart from k|v. Everywhere else one q|k|v matmul.
@@ -250,7 +272,7 @@ class Attention(nn.Module):
             self.qkv_proj = PackedLinear(
                 h, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
             )
-        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=arch.o_proj_bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=norm_offset)
@@ -282,6 +304,8 @@ class Attention(nn.Module):
         """Heads [T, H, D] of q and/or k (`heads`: which of the Hq + Hkv they are; q then k side by
         side by default): the optional per-head norm (each head scaled by its own projection's weight),
         then RoPE. Per (row, head), so q and k normed apart give the bits they give together."""
+        if self.rotary_dim < self.head_dim:
+            return self._partial_rope(qk, cos, sin, heads)
         fused = self.head_dim <= cpu_fused.MAX_HEAD_DIM and fused_cpu(qk)
         if self.q_norm is None:
             if fused:
@@ -298,6 +322,14 @@ class Attention(nn.Module):
                 weight = 1.0 + weight.float() if scale is None else scale
             return cpu_fused.qk_norm_rope(qk, weight, self.q_norm.eps, cos, sin)
         return apply_rope(self.q_norm.with_weight(qk, weight, scale), cos, sin)
+
+    def _partial_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: slice) -> torch.Tensor:
+        """Partial rotary (torch ops, row-wise): RoPE on each head's first rotary_dim dims, as transformers'
+        Phi3 applies it (cos/sin are rotary_dim wide), the rest passed through."""
+        if self.q_norm is not None:
+            qk = self.q_norm.with_weight(qk, self._qk_norm_weight()[heads])
+        r = self.rotary_dim
+        return torch.cat((apply_rope(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)
 
     def _project(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None

@@ -279,9 +279,13 @@ def packed_bytes_estimate(arch: ModelArch, dtype: torch.dtype, device: torch.dev
         return 0
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q, kv, pad = arch.num_heads * d, arch.num_kv_heads * d, cpu_gemm.padded_columns
-    # q and k|v (padded apart: at least as much as q|k|v padded together), o, gate|up, down
-    per_layer = h * (pad(q) + pad(2 * kv)) + q * pad(h) + h * pad(2 * i) + i * pad(h)
-    return 4 * (arch.num_layers * per_layer + pad(arch.vocab_size) * h)
+    # q and k|v (padded apart: at least as much as q|k|v padded together), o
+    attention = h * (pad(q) + pad(2 * kv)) + q * pad(h)
+    dense = h * pad(2 * i) + i * pad(h)  # gate|up, down
+    m = arch.moe_intermediate_size
+    sparse = arch.num_experts * (h * pad(2 * m) + m * pad(h)) + h * pad(arch.num_experts)  # experts, router
+    mlps = sum(sparse if arch.is_sparse(layer) else dense for layer in range(arch.num_layers))
+    return 4 * (arch.num_layers * attention + mlps + pad(arch.vocab_size) * h)
 
 
 @torch.no_grad()

@@ -114,6 +114,38 @@ def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice |
     return targets
 
 
+# Checkpoint names that differ from the module names: Mixtral's experts (w1 gate, w3 up, w2 down).
+_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                (".w2.", ".down_proj.")),
+}
+
+
+def _fused_splits(arch: ModelArch) -> dict[str, list[tuple[str, int]]]:
+    """Fused checkpoint tensors (Phi-3's qkv_proj and gate_up_proj) -> the projections they stack, in
+    row order: the loader fills each projection's place from its rows (the last layer holds q apart)."""
+    if arch.family != "phi3":
+        return {}
+    q, kv, i = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    return {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+            "mlp.gate_up_proj": [("mlp.gate_proj", i), ("mlp.up_proj", i)]}
+
+
+def checkpoint_pieces(arch: ModelArch, name: str) -> list[tuple[str, slice | None]]:
+    """The module tensor names a checkpoint tensor fills, each with its rows of that tensor (None: all)."""
+    for old, new in _RENAMES.get(arch.family, ()):
+        name = name.replace(old, new)
+    module, _, leaf = name.rpartition(".")
+    for fused, parts in _fused_splits(arch).items():
+        if module.endswith("." + fused):
+            base, start, pieces = module[: -len(fused)], 0, []
+            for part, rows in parts:
+                pieces.append((f"{base}{part}.{leaf}", slice(start, start + rows)))
+                start += rows
+            return pieces
+    return [(name, None)]
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, files: list[Path]) -> None:
     """Copy every checkpoint tensor into its parameter (or packed rows), checking names and shapes."""
@@ -123,22 +155,14 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                target = targets.get(name)
-                if target is None:
-                    if not (name == "lm_head.weight" and model.arch.tie_word_embeddings):
-                        unexpected.append(name)
-                    continue
-                param, rows = target
-                dest = param if rows is None else param[rows]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(dest.shape):
-                    raise ValueError(
-                        f"tensor {name!r} in {file.name} has shape {list(shape)} but the model "
-                        f"({model.arch.architecture}) expects {list(dest.shape)}: the checkpoint does "
-                        f"not match its config.json"
-                    )
-                dest.copy_(f.get_tensor(name))
-                loaded.add(name)
+                for piece, source_rows in checkpoint_pieces(model.arch, name):
+                    target = targets.get(piece)
+                    if target is None:
+                        if not (name == "lm_head.weight" and model.arch.tie_word_embeddings):
+                            unexpected.append(name)
+                        continue
+                    _copy_piece(model.arch, f, file, name, source_rows, target)
+                    loaded.add(piece)
     missing = [n for n in targets if n not in loaded]
     if missing:
         def shape_of(n: str) -> list[int]:
@@ -155,6 +179,24 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         warnings.warn(
             f"ignored {len(unexpected)} tensor(s) the model does not use: {unexpected[:5]}", stacklevel=3
         )
+
+
+def _copy_piece(arch: ModelArch, f, file: Path, name: str, source_rows: slice | None,
+                target: tuple[torch.Tensor, slice | None]) -> None:
+    """Copy checkpoint tensor `name` (its `source_rows`, or all of it) into the target's rows."""
+    param, rows = target
+    dest = param if rows is None else param[rows]
+    tensor = f.get_slice(name)
+    shape = list(tensor.get_shape())
+    if source_rows is not None:
+        shape[0] = len(range(shape[0])[source_rows])
+    if tuple(shape) != tuple(dest.shape):
+        where = "" if source_rows is None else f" (rows {source_rows.start}:{source_rows.stop})"
+        raise ValueError(
+            f"tensor {name!r}{where} in {file.name} has shape {shape} but the model "
+            f"({arch.architecture}) expects {list(dest.shape)}: the checkpoint does not match its config.json"
+        )
+    dest.copy_(f.get_tensor(name) if source_rows is None else tensor[source_rows])
 
 
 @torch.no_grad()

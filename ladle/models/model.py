@@ -23,9 +23,16 @@ from ladle.models.llama import LlamaDecoderLayer
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# A dense family is a row here plus its config defaults (models/config.py): LlamaDecoderLayer reads its
+# differences (q/k norm, biases, partial rotary, windows, experts) from the ModelArch.
 LAYER_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaDecoderLayer,
     "qwen3": LlamaDecoderLayer,
+    "qwen2": LlamaDecoderLayer,
+    "mistral": LlamaDecoderLayer,
+    "phi3": LlamaDecoderLayer,
+    "qwen3_moe": LlamaDecoderLayer,
+    "mixtral": LlamaDecoderLayer,
     "gemma3": Gemma3DecoderLayer,
 }
 
@@ -51,7 +58,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
         self.rope = {
-            t: RotaryEmbedding(p, arch.head_dim, arch.max_position_embeddings)
+            t: RotaryEmbedding(p, arch.rotary_dim or arch.head_dim, arch.max_position_embeddings)
             for t, p in arch.rope_parameters.items()
         }
         self._layer_types = list(arch.layer_types)
@@ -107,6 +114,10 @@ class CausalLM(nn.Module):
         break an error) and one graph per run: the token count is a symbol nothing guards on, so every
         width reuses it. The compile itself happens on the first call: make it in a warm-up before
         timing (engine/profiling.compile_forward)."""
+        if any(self.arch.sparse_layers):
+            raise ValueError(
+                f"model.compile=true is not supported for {self.arch.architecture}: its mixture-of-experts "
+                f"layers group tokens by expert with host-side counts; set model.compile=false")
         param = next(self.parameters())
         if param.device.type == "cpu" and param.dtype == torch.float32:
             cpu_fused.enabled()  # decided (and the library built) now: the traced forward reads a constant

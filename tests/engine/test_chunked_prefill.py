@@ -22,7 +22,7 @@ def capture_logits(eng):
     return seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize(
     "prompt_len,chunk",
     [(40, 40), (1, 8), (5, 64), (33, 8), (57, 7), (300, 64)],  # ==, prompt 1, chunk > prompt, % == 1

@@ -18,7 +18,7 @@ from ladle.engine.memory import GIB, InsufficientMemory
 from tests.engine.test_memory_plan import _config, plan_for
 
 MAX_LEN = 128
-FAMILIES = ["llama", "qwen3", "gemma3"]  # gemma3: sliding-window layers beside full ones
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"]  # gemma3: sliding-window layers beside full ones
 
 
 def engine(path, *, deterministic: bool = True, backend: str = "paged", max_num_seqs: int = 1,

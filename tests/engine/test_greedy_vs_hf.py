@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import GREEDY, hf_greedy, make_engine, random_prompt
 
-FAMILIES = ["llama", "qwen3", "gemma3"]  # gemma3: sliding window 16, crossing chunk boundaries
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"]  # gemma3: sliding window 16, crossing chunk boundaries
 CHUNKS = [None, 1, 7, 16, 64]  # None = chunking off
 
 

@@ -17,7 +17,7 @@ def shared_prefix_prompts(n=4):
     return [PREAMBLE + random_prompt(5 + 3 * i, seed=i) for i in range(n)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("chunking", [{"size": 16}, {"size": 7}, {"enabled": False}])
 def test_outputs_identical_with_and_without_prefix_caching(tiny_hf_model_dir, family, chunking):
     path = tiny_hf_model_dir(family)

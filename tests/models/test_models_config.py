@@ -32,7 +32,9 @@ def test_legacy_and_saved_forms_agree(name):
         a, b = arch_from_config(legacy), arch_from_config(saved_form(name))
     assert a == b
     config = hf_config(name)
-    assert a.layer_types == list(getattr(config, "layer_types", None) or ["full_attention"] * a.num_layers)
+    # Families without layer_types (Mistral, Phi-3, Mixtral) slide in every layer when a window is set.
+    every = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    assert a.layer_types == list(getattr(config, "layer_types", None) or [every] * a.num_layers)
     assert a.head_dim == config.head_dim and a.num_kv_heads == config.num_key_value_heads
 
 
@@ -87,3 +89,25 @@ def test_model_type_alone_is_enough_and_unsupported_rope_is_named():
         arch_from_config({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="text-only"):
         arch_from_config({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+
+
+@pytest.mark.parametrize("config_name, extra", [
+    ("Qwen3Config", {"attention_bias": True}),  # q/k/v and o
+    ("Qwen2Config", {}),  # q/k/v only, always
+    ("MistralConfig", {"attention_bias": True}),  # never, whatever the key says
+    ("Phi3Config", {"attention_bias": True}),
+    ("LlamaConfig", {"attention_bias": True}),
+])
+def test_attention_biases_are_transformers_own(config_name, extra, tmp_path):
+    """The checkpoint tensors ladle expects are those transformers writes, biases included."""
+    from ladle.models import build_model
+    from ladle.models.loader import checkpoint_pieces, checkpoint_targets
+
+    kwargs = dict(TINY_HF_MODELS["llama_tied"][1], **extra)
+    config = getattr(transformers, config_name)(**kwargs)
+    hf = getattr(transformers, config_name.replace("Config", "ForCausalLM"))(config)
+    arch = arch_from_config({**config.to_dict(), "architectures": [type(hf).__name__]})
+    ours = set(checkpoint_targets(build_model(arch, torch.float32, "meta")))
+    theirs = {piece for name in hf.state_dict() for piece, _ in checkpoint_pieces(arch, name)}
+    assert {n for n in ours if n.endswith(".bias")} == {n for n in theirs if n.endswith(".bias")}
+    assert ours == theirs - ({"lm_head.weight"} if arch.tie_word_embeddings else set())

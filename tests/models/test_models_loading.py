@@ -35,10 +35,11 @@ def assert_same_weights(a, b):
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(ValueError) as err:
-        load(None, {"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+        load(None, {"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
     msg = str(err.value)
-    assert "MistralForCausalLM" in msg
-    for supported in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+    assert "FalconForCausalLM" in msg
+    for supported in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen2ForCausalLM",
+                      "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         assert supported in msg
 
 

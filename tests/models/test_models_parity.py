@@ -1,5 +1,6 @@
 """ladle's models against transformers on tiny random checkpoints: logits at every prompt position and
-32-token greedy continuations, for prompts of 1, 17 and 300 tokens (past Gemma's sliding window)."""
+32-token greedy continuations, for prompts of 1, 17 and 300 tokens (past the sliding windows, and into
+Phi's long RoPE factors)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from ladle.models import load_model
 from tests.conftest import TEST_DEVICE, build_tiny_hf_model
 from tests.models.ladle_driver import Sequence, greedy, make_kv_caches, prompt_logits
 
-FAMILIES = ["llama", "llama_tied", "qwen3", "gemma3", "gemma3_softcap"]
+FAMILIES = ["llama", "llama_tied", "qwen3", "gemma3", "gemma3_softcap", "qwen2", "mistral", "phi3", "qwen3_moe",
+            "mixtral"]
 NEW_TOKENS = 32
 
 pytestmark = pytest.mark.filterwarnings("ignore:Gemma 3 ignores attn_logit_softcapping")
@@ -57,7 +59,7 @@ def test_logits_and_greedy_match_transformers(pair, name, length):
     assert tokens[: len(ref_tokens)] == ref_tokens
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_chunked_prefill_matches_transformers(pair, name, chunk):
     hf, ours = pair(name)
@@ -67,7 +69,7 @@ def test_chunked_prefill_matches_transformers(pair, name, chunk):
     torch.testing.assert_close(prompt_logits(ours, prompt, chunk=chunk), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen2", "phi3", "qwen3_moe", "mixtral"])
 def test_mixed_batch_matches_transformers(pair, name):
     """Prefill chunks and decodes of three sequences in one flattened forward, like an engine step."""
     hf, ours = pair(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,11 @@ PUBLISHED = {  # parameters (embeddings included, tied counted once), from the m
     "qwen3_4b": 4.02e9,
     "llama3_2_3b": 3.21e9,
     "gemma3_1b": 1.00e9,
+    "qwen2_5_7b": 7.61e9,
+    "mistral_7b_v0_3": 7.25e9,
+    "phi4_mini": 3.836e9,
+    "qwen3_30b_a3b": 30.5e9,
+    "mixtral_8x7b": 46.7e9,
 }
 
 
@@ -64,6 +70,23 @@ def test_real_preset_details():
     assert llama.eos_token_ids == [128001, 128008, 128009] and llama.tie_word_embeddings
     qwen = arch_from_config(preset("qwen3_4b")["architecture"])
     assert qwen.sliding_window is None and qwen.num_kv_heads == 8 and qwen.head_dim == 128
+
+
+def test_new_family_preset_details():
+    qwen2 = arch_from_config(preset("qwen2_5_7b")["architecture"])
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and qwen2.sliding_window is None  # use_sliding_window
+    mistral = arch_from_config(preset("mistral_7b_v0_3")["architecture"])
+    assert mistral.sliding_window is None and mistral.layer_types == ["full_attention"] * 32  # an explicit null
+    phi = arch_from_config(preset("phi4_mini")["architecture"])
+    rope = phi.rope_parameters["full_attention"]
+    assert phi.head_dim == 128 and phi.rotary_dim == 96 and phi.tie_word_embeddings
+    assert rope["rope_type"] == "longrope" and len(rope["long_factor"]) == 48 and rope["original_max_position_embeddings"] == 4096
+    assert rope["attention_factor"] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    qwen_moe = arch_from_config(preset("qwen3_30b_a3b")["architecture"])
+    assert (qwen_moe.num_experts, qwen_moe.num_experts_per_tok, qwen_moe.moe_intermediate_size) == (128, 8, 768)
+    assert qwen_moe.norm_topk_prob and all(qwen_moe.sparse_layers) and qwen_moe.head_dim == 128
+    mixtral = arch_from_config(preset("mixtral_8x7b")["architecture"])
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 14336)
 
 
 def test_tiny_default_runs_with_the_byte_tokenizer():
