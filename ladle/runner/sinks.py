@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ladle.runner.durable import fsync_path, sync_dir
 from ladle.runner.text import clean
 
 log = logging.getLogger("ladle")
@@ -222,7 +223,7 @@ class ParquetSink:
             except Exception as e:  # noqa: BLE001 - a footer that could not be written
                 self.error = self.error or e
             self._writer = None
-        problem = self._verify()
+        problem = self._verify() or self._sync()
         if problem is not None:
             self.tmp.unlink(missing_ok=True)
             kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
@@ -243,10 +244,19 @@ class ParquetSink:
         self.rows_written = on_disk
         return None
 
+    def _sync(self) -> str | None:
+        """Why the `.tmp` could not be flushed to the device, or None (a caching disk may report ENOSPC only here)."""
+        try:
+            fsync_path(self.tmp)
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
     def commit(self) -> None:
-        """Move the verified `.tmp` into place (after `finish`; nothing to do when already moved)."""
+        """Move the verified, flushed `.tmp` into place (after `finish`; nothing to do when already moved)."""
         if self.tmp.exists():
             os.replace(self.tmp, self.path)
+            sync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Close and delete the .tmp file, leaving the finished file (if any) as it was."""
@@ -277,7 +287,9 @@ def recover(path: Path) -> None:
     tmp = tmp_path(path)
     if tmp.exists():
         if readable(tmp) is not None:
+            fsync_path(tmp)
             os.replace(tmp, path)
+            sync_dir(path.parent)
         else:
             tmp.unlink()
 

@@ -130,3 +130,52 @@ def test_the_cli_exits_non_zero_naming_the_write_that_failed(tmp_path, budget):
     assert "ladle: error:" in p.stderr and "generations.parquet" in p.stderr, p.stderr[-3000:]
     assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert not (out / "generations.parquet").exists() and not (out / "generations.parquet.tmp").exists()
+
+
+def fsync_fails_for(monkeypatch, name: str, calls: list[str]) -> None:
+    """os.fsync records what it syncs and raises ENOSPC for `<name>.tmp`, as a disk that took the writes
+    into its cache (delayed allocation, NFS) reports a full disk only when they are flushed."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        calls.append(target)
+        if Path(target).name == name + ".tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("name", ["generations.parquet", "steps.parquet"])
+def test_a_full_disk_found_when_the_file_is_flushed_keeps_the_complete_files(tmp_path, monkeypatch, name):
+    """Every write and the footer succeed, the flush to the device fails: the file must not replace the
+    previous one (before, nothing flushed it: the rename went ahead and the bytes could be lost later)."""
+    src, out = source(tmp_path, 12), tmp_path / "out"
+    cfg = lambda limit: compose_cfg("workload=parquet", f"workload.path={src}", f"workload.limit={limit}",
+                                    "output.row_group_size=4")
+    run_job(cfg(6), out, engine=FakeEngine(max_num_seqs=3))
+    before = {n: (out / n).read_bytes() for n in ("generations.parquet", "steps.parquet")}
+    calls: list[str] = []
+    fsync_fails_for(monkeypatch, name, calls)
+    with pytest.raises(OutputError, match=f"{name}.*No space left on device.*kept"):
+        run_job(cfg(12), out, engine=FakeEngine(max_num_seqs=3))
+    assert {n: (out / n).read_bytes() for n in before} == before
+    assert not list(out.glob("*.tmp"))
+
+
+def test_each_file_is_flushed_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """The order a power loss cannot undo: the new bytes on the device, then the name pointing at them."""
+    src, out = source(tmp_path, 4), tmp_path / "out"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a))), real_replace(a, b))[1])
+    run_job(compose_cfg("workload=parquet", f"workload.path={src}"), out, engine=FakeEngine(max_num_seqs=3))
+    for name in ("generations.parquet", "steps.parquet"):
+        tmp = str((out / (name + ".tmp")).resolve())
+        assert ("rename", str(out / (name + ".tmp"))) in events, events
+        renamed = events.index(("rename", str(out / (name + ".tmp"))))
+        assert ("sync", tmp) in events[:renamed], events
+        assert ("sync", str(out.resolve())) in events[renamed:], events
