@@ -7,6 +7,7 @@
   takes the type the others give it, int32 + int64 -> int64, int + float -> float), so no part is cast
   to another part's null type mid-job; a dictionary (pandas categorical) column reads as its values. Types that cannot be unified (string in one part, int64 in
   another) are a ConfigError naming both files and types, before the model loads.
+- Parts with no rows are left out (their schema, even one without the prompt column, does not count).
 - Hive partitions: `key=value` directories (pandas `partition_cols`, Spark, Ray Data) are columns.
 """
 
@@ -96,6 +97,7 @@ def open_dataset(p: Path, path_text: str) -> ds.Dataset:
         raise ConfigError(f"workload.path={path_text!r} has no Parquet data files"
                           + (f" (skipped: {', '.join(f.name for f in skipped[:5])})" if skipped else ""))
     try:
+        files = _without_empty(files, p, path_text)
         schema = unified_schema(files)
         names = [str(f) for f in files]
         if p.is_file():
@@ -106,6 +108,17 @@ def open_dataset(p: Path, path_text: str) -> ds.Dataset:
                           partition_base_dir=str(p))
     except (pa.ArrowInvalid, OSError) as e:
         raise ConfigError(f"workload.path={path_text!r} is not readable as Parquet: {e}") from None
+
+
+def _without_empty(files: list[Path], base: Path, path_text: str) -> list[Path]:
+    """The parts that hold rows (all of them when none does). A part with no rows (Spark's and Ray Data's
+    empty partitions, a pandas frame with no columns) adds nothing, so its schema must not stop the job."""
+    empty = [f for f in files if pq.read_metadata(f).num_rows == 0]
+    if not empty or len(empty) == len(files):
+        return files
+    log.info("workload.path=%s: skipped %d Parquet parts with no rows: %s", path_text, len(empty),
+             ", ".join(str(f.relative_to(base)) for f in empty[:10]) + (" ..." if len(empty) > 10 else ""))
+    return [f for f in files if f not in empty]
 
 
 def _hive_keys(names: list[str], base: Path, path_text: str) -> tuple[ds.Partitioning | None, pa.Schema]:
