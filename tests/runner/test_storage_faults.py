@@ -179,3 +179,37 @@ def test_each_file_is_flushed_before_its_rename_and_the_directory_after(tmp_path
         renamed = events.index(("rename", str(out / (name + ".tmp"))))
         assert ("sync", tmp) in events[:renamed], events
         assert ("sync", str(out.resolve())) in events[renamed:], events
+
+
+@pytest.mark.parametrize("where", ["generations.parquet", "steps.parquet"])
+def test_a_second_interrupt_while_the_files_close_still_finalises_both(tmp_path, monkeypatch, where):
+    """Ctrl-C (or SIGTERM) pressed again while the files are being closed: both files are still closed,
+    checked and moved into place together, and the run reports itself interrupted. Before, the interrupt
+    left the closing file's .tmp unrenamed and the other one never closed, so the next run's recovery
+    could take the new generations with the old steps (or none)."""
+    from ladle.runner.sinks import ParquetSink
+
+    src, out = source(tmp_path, 12), tmp_path / "out"
+    cfg = lambda limit: compose_cfg("workload=parquet", f"workload.path={src}", f"workload.limit={limit}",
+                                    "output.row_group_size=4", "output.steps_row_group_size=4")
+    run_job(cfg(6), out, engine=FakeEngine(max_num_seqs=3))
+    real, pressed, verified = ParquetSink._verify, [], []
+
+    def verify(self):
+        if self.path.name == where and not pressed:
+            pressed.append(True)
+            raise KeyboardInterrupt  # arrives just as this file's writer closed, before its check
+        verified.append(self.path.name)
+        return real(self)
+
+    monkeypatch.setattr(ParquetSink, "_verify", verify)
+    try:
+        result = run_job(cfg(12), out, engine=FakeEngine(max_num_seqs=3))
+    except KeyboardInterrupt:
+        result = None
+    assert pressed and result is not None and result.interrupted, "the interrupt escaped the files' close"
+    assert sorted(verified) == ["generations.parquet", "steps.parquet"]  # no file moved into place unchecked
+    assert not list(out.glob("*.tmp"))
+    gen, steps = pq.read_table(out / "generations.parquet"), pq.read_table(out / "steps.parquet")
+    assert gen.num_rows == 12 and sorted(set(gen.column("attempt").to_pylist())) == [0, 1]
+    assert sorted(set(steps.column("attempt").to_pylist())) == [0, 1]
