@@ -2,7 +2,8 @@
 
 Each message reaches the template whole (`tool_calls`, `tool_call_id`, `name` and any other key), as vLLM
 passes it. Only these are normalised:
-- `content`: a list of text parts is their texts joined (non-text parts, images, cannot run: the row's
+- `content`: a list of text parts is their texts joined by newlines, as vLLM joins them for a template
+  that takes content as a string (non-text parts, images, cannot run: the row's
   error); null or absent is "" in an assistant turn (one that only calls tools), an error in any other;
 - a key whose value is null is left out: a Parquet or Arrow column of message structs has every field
   in every message, null where that message has none, and a template that tests `'tool_calls' in
@@ -39,7 +40,7 @@ def chat_message(m: Any, where: str) -> dict[str, Any]:
 
 
 def content_text(content: Any, where: str) -> str:
-    """A message's content as text: a string as it is, text parts joined, null as ""."""
+    """A message's content as text: a string as it is, text parts joined by "\n" (vLLM's join), null as ""."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -50,7 +51,7 @@ def content_text(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadMessage(f"{where}.content has a part that is not text: {part!r:.80}")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise BadMessage(f"{where}.content must be a string or a list of text parts, not a {type(content).__name__}")
 
 
