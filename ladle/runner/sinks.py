@@ -212,10 +212,13 @@ class ParquetSink:
         problem = self._verify() or self._sync()
         if problem is not None:
             self.tmp.unlink(missing_ok=True)
-            kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
-            raise OutputError(f"writing {self.path} failed ({problem}); {kept}. Free space or fix the cause, then "
-                              "run the same command again: it resumes from the rows kept")
+            raise self.failure(problem)
         self._checked = True
+
+    def failure(self, problem: str) -> OutputError:
+        kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
+        return OutputError(f"writing {self.path} failed ({problem}); {kept}. Free space or fix the cause, then "
+                           "run the same command again: it resumes from the rows kept")
 
     def _close_writer(self) -> None:
         """Flush the buffered rows and write the footer, whatever interrupts the flush."""

@@ -69,9 +69,12 @@ class RunWriter:
         they close (Ctrl-C or SIGTERM again) is held until both are done (`interrupted` says so): cut
         short, one file could be renamed and the other not."""
         sinks = (self.gen, self.steps)
-        if not self.copied:
+        if not self.copied:  # stopped while copying the previous rows: the previous files are the complete ones
             for sink in sinks:
                 self._uninterrupted(sink.abort)
+            failed = [s.failure(f"{type(s.error).__name__}: {s.error}") for s in sinks if s.error is not None]
+            if failed:  # a full disk during the copy is a failed write like any other, not a crash
+                raise OutputError("; ".join(map(str, failed)))
             return
         failures = []
         for sink in sinks:

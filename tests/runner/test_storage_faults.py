@@ -213,3 +213,24 @@ def test_a_second_interrupt_while_the_files_close_still_finalises_both(tmp_path,
     gen, steps = pq.read_table(out / "generations.parquet"), pq.read_table(out / "steps.parquet")
     assert gen.num_rows == 12 and sorted(set(gen.column("attempt").to_pylist())) == [0, 1]
     assert sorted(set(steps.column("attempt").to_pylist())) == [0, 1]
+
+
+def test_a_full_disk_while_the_previous_rows_are_copied_is_a_failed_write(tmp_path):
+    """The disk fills before a resume has copied the previous rows into its new file: the CLI names the
+    failed write (`ladle: error:`, exit 1), not a bare OSError traceback, and the previous files stay
+    byte for byte. (A subprocess: the CLI's exit and message are what the user sees.)"""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = [f"hydra.run.dir={out}", "sampling.max_tokens=2", "output.plots=false", "output.print_summary=false",
+            "output.progress=false", "output.row_group_size=1"]
+    run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True,
+                                    timeout=300, check=False)
+    first = run("-m", "ladle", *args, "workload.limit=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {n: (out / n).read_bytes() for n in ("generations.parquet", "steps.parquet")}
+    p = run("-c", FULL_DISK_SCRIPT, "100", *args, "workload.limit=12")  # the header fits, the copy does not
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "ladle: error: writing" in p.stderr and "generations.parquet failed" in p.stderr, p.stderr[-3000:]
+    assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert {n: (out / n).read_bytes() for n in before} == before
+    assert not list(out.glob("*.tmp"))
