@@ -122,6 +122,9 @@ def test_a_parquet_column_of_message_structs_drops_the_null_fields_each_message_
                                                             "function": {"name": "f", "arguments": "{oops"}}]},
      "tool_calls[0].function.arguments is not JSON text"),
     ({"role": "assistant", "content": "x", "tool_calls": "f()"}, "tool_calls must be a list"),
+    # arguments as JSON text are capped as any row's JSON is (before, 200 levels reached the template)
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 200 + "]" * 200}}]}, "arguments is nested too deeply: more than 128 levels"),
 ])
 def test_messages_no_template_can_take_are_the_rows_error(message, error):
     enc = encode_prompt([message], "auto", FakeEngine().tokenizer, False, "messages")
