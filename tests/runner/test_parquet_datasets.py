@@ -172,3 +172,27 @@ def test_a_directory_whose_parts_all_have_no_rows_runs_no_request(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), d / "part-0.parquet")
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), d / "part-1.parquet")
     assert rows_of(open_source(workload(d))) == []
+
+
+@pytest.mark.parametrize("log_dir,marker,name", [("_delta_log", "00000000000000000000.json", "Delta Lake"),
+                                                 (".hoodie", "hoodie.properties", "Hudi"),
+                                                 ("metadata", "v1.metadata.json", "Iceberg")])
+def test_a_table_format_directory_is_refused_naming_it(tmp_path, log_dir, marker, name):
+    """A Delta, Hudi or Iceberg table keeps the files of rows it deleted or overwrote until they are vacuumed;
+    only its log says which files are the table. Read as plain Parquet, the overwritten rows ran again
+    beside their replacements (before, silently: the log directory was skipped as hidden or not Parquet)."""
+    d = tmp_path / "table"
+    (d / log_dir).mkdir(parents=True)
+    (d / log_dir / marker).write_text("{}")
+    pq.write_table(pa.table({"prompt": ["old version of row 0"]}), d / "part-00000-a.snappy.parquet")
+    pq.write_table(pa.table({"prompt": ["new version of row 0"]}), d / "part-00000-b.snappy.parquet")
+    with pytest.raises(ConfigError, match=f"is an? .*{name} table .*{log_dir}/.*plain Parquet"):
+        open_source(workload(d))
+
+
+def test_a_directory_named_metadata_without_iceberg_files_is_not_a_table(tmp_path):
+    d = tmp_path / "parts"
+    (d / "metadata").mkdir(parents=True)
+    (d / "metadata" / "notes.json").write_text("{}")
+    pq.write_table(pa.table({"prompt": ["p0"]}), d / "part-0.parquet")
+    assert [r[2] for r in rows_of(open_source(workload(d)))] == ["p0"]

@@ -7,6 +7,8 @@
   takes the type the others give it, int32 + int64 -> int64, int + float -> float), so no part is cast
   to another part's null type mid-job; a dictionary (pandas categorical) column reads as its values. Types that cannot be unified (string in one part, int64 in
   another) are a ConfigError naming both files and types, before the model loads.
+- A table format's directory (Delta Lake's `_delta_log/`, Hudi's `.hoodie/`, Iceberg's `metadata/`) is refused:
+  its files include rows the table removed, which only its log tells apart.
 - Parts with no rows are left out (their schema, even one without the prompt column, does not count).
 - Hive partitions: `key=value` directories (pandas `partition_cols`, Spark, Ray Data) are columns.
 """
@@ -87,8 +89,26 @@ def _conflict(files: list[Path], schemas: list[pa.Schema]) -> str:
     return "the Parquet parts' schemas cannot be unified"  # pragma: no cover - unify_schemas failed on no column
 
 
+# A table format's log beside its Parquet files: the files hold rows the table has since deleted or replaced.
+TABLE_LOGS = {"_delta_log": "a Delta Lake table", ".hoodie": "an Apache Hudi table",
+              "metadata": "an Apache Iceberg table"}
+
+
+def _table_format(p: Path) -> str | None:
+    """The table format whose log `p` holds (its Parquet files alone are not the table), if any."""
+    for log_dir, name in TABLE_LOGS.items():
+        d = p / log_dir
+        if d.is_dir() and (log_dir != "metadata" or any(d.glob("*.metadata.json"))):
+            return f"{name} (it has {log_dir}/)"
+    return None
+
+
 def open_dataset(p: Path, path_text: str) -> ds.Dataset:
     """The dataset of `p`'s data files with one unified schema and hive partition keys as columns."""
+    if p.is_dir() and (table := _table_format(p)) is not None:
+        raise ConfigError(f"workload.path={path_text!r} is {table}: its Parquet files also hold rows the table "
+                          "has deleted or replaced, so they are not its rows; write the table out as plain Parquet "
+                          "(e.g. Spark's df.write.parquet(...)) and point workload.path there")
     files, skipped = data_files(p)
     if skipped:
         log.info("workload.path=%s: skipped %d files that are not Parquet data: %s", path_text, len(skipped),
