@@ -176,7 +176,8 @@ def test_a_directory_whose_parts_all_have_no_rows_runs_no_request(tmp_path):
 
 @pytest.mark.parametrize("log_dir,marker,name", [("_delta_log", "00000000000000000000.json", "Delta Lake"),
                                                  (".hoodie", "hoodie.properties", "Hudi"),
-                                                 ("metadata", "v1.metadata.json", "Iceberg")])
+                                                 ("metadata", "v1.metadata.json", "Iceberg"),
+                                                 ("_spark_metadata", "0", "Spark streaming sink's output")])
 def test_a_table_format_directory_is_refused_naming_it(tmp_path, log_dir, marker, name):
     """A Delta, Hudi or Iceberg table keeps the files of rows it deleted or overwrote until they are vacuumed;
     only its log says which files are the table. Read as plain Parquet, the overwritten rows ran again
@@ -186,7 +187,7 @@ def test_a_table_format_directory_is_refused_naming_it(tmp_path, log_dir, marker
     (d / log_dir / marker).write_text("{}")
     pq.write_table(pa.table({"prompt": ["old version of row 0"]}), d / "part-00000-a.snappy.parquet")
     pq.write_table(pa.table({"prompt": ["new version of row 0"]}), d / "part-00000-b.snappy.parquet")
-    with pytest.raises(ConfigError, match=f"is an? .*{name} table .*{log_dir}/.*plain Parquet"):
+    with pytest.raises(ConfigError, match=f"is an? .*{name}.*{log_dir}/.*plain Parquet"):
         open_source(workload(d))
 
 

@@ -91,7 +91,7 @@ def _conflict(files: list[Path], schemas: list[pa.Schema]) -> str:
 
 # A table format's log beside its Parquet files: the files hold rows the table has since deleted or replaced.
 TABLE_LOGS = {"_delta_log": "a Delta Lake table", ".hoodie": "an Apache Hudi table",
-              "metadata": "an Apache Iceberg table"}
+              "metadata": "an Apache Iceberg table", "_spark_metadata": "a Spark streaming sink's output"}
 
 
 def _table_format(p: Path) -> str | None:
@@ -107,8 +107,9 @@ def open_dataset(p: Path, path_text: str) -> ds.Dataset:
     """The dataset of `p`'s data files with one unified schema and hive partition keys as columns."""
     if p.is_dir() and (table := _table_format(p)) is not None:
         raise ConfigError(f"workload.path={path_text!r} is {table}: its Parquet files also hold rows the table "
-                          "has deleted or replaced, so they are not its rows; write the table out as plain Parquet "
-                          "(e.g. Spark's df.write.parquet(...)) and point workload.path there")
+                          "has deleted or replaced (or a failed batch wrote), which only its log tells apart; write "
+                          "the table out as plain Parquet (e.g. Spark's df.write.parquet(...)) and point "
+                          "workload.path there")
     files, skipped = data_files(p)
     if skipped:
         log.info("workload.path=%s: skipped %d files that are not Parquet data: %s", path_text, len(skipped),
