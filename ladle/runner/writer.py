@@ -87,7 +87,11 @@ class RunWriter:
                 self._uninterrupted(sink.abort)
             raise OutputError("; ".join(failures))
         for sink in sinks:
-            self._uninterrupted(sink.commit)
+            try:
+                self._uninterrupted(sink.commit)
+            except OSError as e:  # both files are complete: the next run's recovery finishes the move
+                raise OutputError(f"moving {sink.tmp} into place failed ({e}); it is complete and kept: run the "
+                                  "same command again, which moves it into place and resumes") from e
 
     def _uninterrupted(self, step: Callable[[], None]) -> None:
         """Run a closing step to its end: each step can be called again after an interrupt cut it."""

@@ -234,3 +234,27 @@ def test_a_full_disk_while_the_previous_rows_are_copied_is_a_failed_write(tmp_pa
     assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert {n: (out / n).read_bytes() for n in before} == before
     assert not list(out.glob("*.tmp"))
+
+
+def test_a_rename_that_fails_between_the_two_files_is_a_failed_write_the_next_run_completes(tmp_path, monkeypatch):
+    """generations.parquet moved into place, then moving steps.parquet fails (an I/O error): the job raises
+    the failed write naming the file (before, a bare OSError traceback), and the next run takes the
+    complete steps .tmp left behind, so both files hold the same attempts again."""
+    src, out = source(tmp_path, 12), tmp_path / "out"
+    cfg = lambda limit: compose_cfg("workload=parquet", f"workload.path={src}", f"workload.limit={limit}")
+    run_job(cfg(6), out, engine=FakeEngine(max_num_seqs=3))
+    real = os.replace
+
+    def replace(a, b):
+        if Path(a).name == "steps.parquet.tmp":
+            raise OSError(errno.EIO, "Input/output error")
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OutputError, match="steps.parquet.*Input/output error.*same command"):
+        run_job(cfg(12), out, engine=FakeEngine(max_num_seqs=3))
+    monkeypatch.undo()
+    run_job(cfg(12), out, engine=FakeEngine(max_num_seqs=3))
+    gen, steps = pq.read_table(out / "generations.parquet"), pq.read_table(out / "steps.parquet")
+    assert gen.num_rows == 12 and set(gen.column("attempt").to_pylist()) == {0, 1}
+    assert set(steps.column("attempt").to_pylist()) == {0, 1}  # the second run's steps were not lost
