@@ -258,3 +258,23 @@ def test_a_rename_that_fails_between_the_two_files_is_a_failed_write_the_next_ru
     gen, steps = pq.read_table(out / "generations.parquet"), pq.read_table(out / "steps.parquet")
     assert gen.num_rows == 12 and set(gen.column("attempt").to_pylist()) == {0, 1}
     assert set(steps.column("attempt").to_pylist()) == {0, 1}  # the second run's steps were not lost
+
+
+def test_a_full_disk_when_the_summary_is_written_is_a_failed_write(tmp_path, monkeypatch):
+    """The Parquet files are in place, then summary.json does not fit: the job names the failed write
+    (OutputError, `ladle: error:`) instead of a bare OSError traceback, and leaves no summary.json.tmp."""
+    from pathlib import Path as P
+
+    src, out = source(tmp_path, 4), tmp_path / "out"
+    real = P.write_text
+
+    def write_text(self, *a, **kw):
+        if self.name == "summary.json.tmp":
+            real(self, "{")  # what fitted
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(P, "write_text", write_text)
+    with pytest.raises(OutputError, match="summary.json failed .*No space left on device.*complete"):
+        run_job(compose_cfg("workload=parquet", f"workload.path={src}"), out, engine=FakeEngine(max_num_seqs=3))
+    assert pq.read_table(out / "generations.parquet").num_rows == 4 and not (out / "summary.json.tmp").exists()
