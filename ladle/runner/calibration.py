@@ -10,14 +10,19 @@ Seconds per prefill token come from a short calibration of the model at hand: wh
 of `PREFILL_TOKENS` tokens (minimum of a few tries: noise on a shared machine only adds time), timed
 outside the engine's cache and independent of the chunking policy, so every run of a sweep over
 chunking.size replays the same arrivals. A multirun calibrates once and shares the result through
-`calibration.json` at the sweep root.
+`calibration.json` at the sweep root; jobs of a sweep that run at once (a parallel launcher) take turns
+on it under an OS lock, so the first measures and the others read its numbers.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +93,26 @@ def shared_calibration(eng: Any, paths: list[Path | None]) -> Calibration:
     then a sweep's), else a new one; stored in every path that lacks it."""
     key = engine_key(eng)
     files = [p for p in paths if p is not None]
+    with ExitStack() as held:  # jobs of a sweep started together: one measures, the others wait and read it
+        for p in sorted(set(files)):
+            held.enter_context(_locked(p))
+        return _read_or_measure(eng, key, files)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An OS lock (flock, blocking) on `.<name>.lock` beside `path` for the block; released however the
+    process ends."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_or_measure(eng: Any, key: str, files: list[Path]) -> Calibration:
     found = next(((p, c) for p, c in ((p, _stored(p, key)) for p in files) if c is not None), None)
     if found is not None:
         log.info("arrival calibration from %s", found[0])
@@ -125,6 +150,6 @@ def _store(path: Path, key: str, cal: Calibration) -> None:
     data = _read(path)
     data[key] = cal.as_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: never another's half-written one
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)

@@ -14,8 +14,9 @@ passes it. Only these are normalised:
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from ladle.runner.text import TooDeep, load_json
 
 
 class BadMessage(ValueError):
@@ -38,7 +39,7 @@ def chat_message(m: Any, where: str) -> dict[str, Any]:
 
 
 def content_text(content: Any, where: str) -> str:
-    """A message's content as text: a string as it is, text parts joined, null as ""."""
+    """A message's content as text: a string as it is, text parts joined by "\n" (vLLM's join), null as ""."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -67,7 +68,9 @@ def _tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     args = fn.get("arguments")
     if isinstance(args, str) and args.strip():
         try:
-            args = json.loads(args)
+            args = load_json(args)  # capped as every row's JSON is (runner/text.py): the template walks it
+        except TooDeep as e:
+            raise BadMessage(f"{where}.function.arguments is {e}") from None
         except ValueError as e:
             raise BadMessage(f"{where}.function.arguments is not JSON text: {e}") from None
     elif not args:

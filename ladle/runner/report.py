@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ladle.runner.redact import redact
-from ladle.runner.sinks import sample_indices
+from ladle.runner.sinks import OutputError, sample_indices
 from ladle.runner.text import clean
 
 LATENCIES = ("ttft", "itl", "tpot", "e2e", "queue")
@@ -247,8 +247,14 @@ def format_table(s: dict[str, Any]) -> str:
 
 
 def write_summary(summary: dict[str, Any], path: Path) -> None:
+    """summary.json through a .tmp and a rename; a failed write (a full disk) is an OutputError naming it."""
     tmp = path.with_name(path.name + ".tmp")
-    # Cleaned like every text the job writes (runner/text.py): the overrides and paths come from argv.
-    # Credentials in a URI or a credential variable's value an override quoted: masked (runner/redact.py).
-    tmp.write_text(redact(json.dumps(clean(summary), indent=2, default=str)) + "\n")
-    tmp.replace(path)
+    try:
+        # Cleaned like every text the job writes (runner/text.py): the overrides and paths come from argv.
+        # Credentials in a URI or a credential variable's value an override quoted: masked (runner/redact.py).
+        tmp.write_text(redact(json.dumps(clean(summary), indent=2, default=str)) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"writing {path} failed ({e}); the run's Parquet files are complete. Free space or fix "
+                          "the cause, then run the same command again: it writes the summary anew") from e

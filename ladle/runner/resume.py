@@ -22,13 +22,13 @@ import pyarrow.compute as pc
 from omegaconf import OmegaConf
 
 from ladle.runner.config import CONF_DIR, ConfigError, OutputConfig
+from ladle.runner.durable import recover
 from ladle.runner.sinks import (
     GENERATIONS,
     STEPS,
     previous_attempts,
     previous_batches,
     read_config_yaml,
-    recover,
     sample_indices,
     tmp_path,
 )

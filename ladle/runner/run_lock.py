@@ -33,8 +33,11 @@ class RunDirLock:
         self._fd: int | None = None
 
     def __enter__(self) -> Self:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise self._unusable(e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -44,10 +47,21 @@ class RunDirLock:
                 f"run directory {self.path.parent} is in use by another ladle job (pid {owner}); wait for it "
                 "to finish (or stop it), then run the same command to resume, or use another hydra.run.dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            os.close(fd)  # releases the lock
+            raise self._unusable(e) from None
         self._fd = fd
         return self
+
+    def _unusable(self, e: OSError) -> ConfigError:
+        """A directory the job cannot write its lock into (read-only, another user's, a full disk) cannot
+        take its outputs either: said before anything runs."""
+        return ConfigError(f"run directory {self.path.parent} cannot be used: writing {self.path.name} failed "
+                           f"({e.strerror or e}); make the directory writable (or free space), or use another "
+                           "hydra.run.dir")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

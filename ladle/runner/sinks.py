@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ladle.runner.durable import fsync_path, readable, sync_dir, tmp_path
 from ladle.runner.text import clean
 
 log = logging.getLogger("ladle")
@@ -91,10 +92,6 @@ def generations_schema(include_prompt: bool) -> pa.Schema:
 STEPS_SCHEMA = pa.schema(STEPS_FIELDS)
 
 
-def tmp_path(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
-
-
 def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     """`table` with exactly `schema`'s columns: missing ones null, extra ones dropped, types cast."""
     cols = []
@@ -136,6 +133,7 @@ class ParquetSink:
         self.rows_written = 0
         self._inflight = 0  # rows of a write an interrupt may have cut: on disk or not
         self.error: BaseException | None = None  # the first write that failed: the file is not finalised
+        self._checked = False  # the closed .tmp was verified and flushed (finish may run again after an interrupt)
 
     def write(self, row: dict[str, Any]) -> None:
         self._rows.append(row)
@@ -207,8 +205,24 @@ class ParquetSink:
     def finish(self) -> None:
         """Flush and close the `.tmp` and check it: a footer that reads back, holding the rows written.
         On any failure the `.tmp` is deleted (the finished file stays as it was) and OutputError says why."""
-        if self._writer is None:
+        if self._writer is not None:
+            self._close_writer()
+        if self._checked:
             return
+        problem = self._verify() or self._sync()
+        if problem is not None:
+            self.tmp.unlink(missing_ok=True)
+            raise self.failure(problem)
+        self._checked = True
+
+    def failure(self, problem: str) -> OutputError:
+        kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
+        return OutputError(f"writing {self.path} failed ({problem}); {kept}. Free space or fix the cause, then "
+                           "run the same command again: it resumes from the rows kept")
+
+    def _close_writer(self) -> None:
+        """Flush the buffered rows and write the footer, whatever interrupts the flush."""
+        assert self._writer is not None
         try:
             self.flush()
         except KeyboardInterrupt:
@@ -222,12 +236,6 @@ class ParquetSink:
             except Exception as e:  # noqa: BLE001 - a footer that could not be written
                 self.error = self.error or e
             self._writer = None
-        problem = self._verify()
-        if problem is not None:
-            self.tmp.unlink(missing_ok=True)
-            kept = f"the previous {self.path.name} is kept as it was" if self.path.exists() else "nothing was kept"
-            raise OutputError(f"writing {self.path} failed ({problem}); {kept}. Free space or fix the cause, then "
-                              "run the same command again: it resumes from the rows kept")
 
     def _verify(self) -> str | None:
         """Why the closed `.tmp` is not complete, or None: a failed write, no footer, a row count not
@@ -243,13 +251,23 @@ class ParquetSink:
         self.rows_written = on_disk
         return None
 
+    def _sync(self) -> str | None:
+        """Why the `.tmp` could not be flushed to the device, or None (a caching disk may report ENOSPC only here)."""
+        try:
+            fsync_path(self.tmp)
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
     def commit(self) -> None:
-        """Move the verified `.tmp` into place (after `finish`; nothing to do when already moved)."""
+        """Move the verified, flushed `.tmp` into place (after `finish`; nothing to do when already moved)."""
         if self.tmp.exists():
             os.replace(self.tmp, self.path)
+            sync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Close and delete the .tmp file, leaving the finished file (if any) as it was."""
+        self._checked = True  # nothing left to check or move
         if self._writer is not None:
             try:
                 self._writer.close()
@@ -257,29 +275,6 @@ class ParquetSink:
                 log.debug("%s: closing a discarded file failed: %s", self.tmp.name, e)
             self._writer = None
         self.tmp.unlink(missing_ok=True)
-
-
-def readable(path: Path) -> pq.ParquetFile | None:
-    """The file if it is a complete Parquet file, else None (missing, or cut off before its footer)."""
-    try:
-        return pq.ParquetFile(path) if path.exists() else None
-    except (pa.ArrowInvalid, OSError):
-        return None
-
-
-def recover(path: Path) -> None:
-    """Make `path` the latest complete file before a run writes into it again.
-
-    A readable `.tmp` is a run that finished writing but died before its rename: it already holds every
-    row of `path` (each run copies the previous file first), so it replaces `path`. An unreadable one
-    (the process was killed mid-write) is removed: its rows are computed again.
-    """
-    tmp = tmp_path(path)
-    if tmp.exists():
-        if readable(tmp) is not None:
-            os.replace(tmp, path)
-        else:
-            tmp.unlink()
 
 
 def previous_batches(path: Path, unique_ids: bool, skip_errors: bool = False,

@@ -9,6 +9,7 @@ the only complete ones, so a run stopped before that leaves them as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ class RunWriter:
             raise
         self.copied = False
         self.rows_before = 0  # generations rows the previous runs left
+        self.interrupted = False  # an interrupt arrived while the files closed
 
     def copy_previous(self) -> None:
         """Start each file with the previous runs' rows (unique; errored ones dropped with retry_errors); none
@@ -63,24 +65,41 @@ class RunWriter:
 
     def close(self) -> None:
         """Both files are verified before either replaces its previous one: a failure in one keeps both
-        previous files (a steps file never describes rows the generations file lacks)."""
+        previous files (a steps file never describes rows the generations file lacks). An interrupt while
+        they close (Ctrl-C or SIGTERM again) is held until both are done (`interrupted` says so): cut
+        short, one file could be renamed and the other not."""
         sinks = (self.gen, self.steps)
-        if not self.copied:
+        if not self.copied:  # stopped while copying the previous rows: the previous files are the complete ones
             for sink in sinks:
-                sink.abort()
+                self._uninterrupted(sink.abort)
+            failed = [s.failure(f"{type(s.error).__name__}: {s.error}") for s in sinks if s.error is not None]
+            if failed:  # a full disk during the copy is a failed write like any other, not a crash
+                raise OutputError("; ".join(map(str, failed)))
             return
         failures = []
         for sink in sinks:
             try:
-                sink.finish()
+                self._uninterrupted(sink.finish)
             except OutputError as e:
                 failures.append(str(e))
         if failures:
             for sink in sinks:
-                sink.abort()
+                self._uninterrupted(sink.abort)
             raise OutputError("; ".join(failures))
         for sink in sinks:
-            sink.commit()
+            try:
+                self._uninterrupted(sink.commit)
+            except OSError as e:  # both files are complete: the next run's recovery finishes the move
+                raise OutputError(f"moving {sink.tmp} into place failed ({e}); it is complete and kept: run the "
+                                  "same command again, which moves it into place and resumes") from e
+
+    def _uninterrupted(self, step: Callable[[], None]) -> None:
+        """Run a closing step to its end: each step can be called again after an interrupt cut it."""
+        while True:
+            try:
+                return step()
+            except KeyboardInterrupt:
+                self.interrupted = True
 
     @property
     def rows_total(self) -> int:

@@ -20,15 +20,16 @@ from tests.runner.fake_engine import FakeEngine
 
 TOOL_TURNS = [
     {"role": "system", "content": "You answer with tools."},
-    {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": "One word."}]},
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
 ]
-# What the template is given (vLLM's conversation): text parts joined by newlines, null content "", arguments a mapping.
+# What the template is given (vLLM's conversation): text parts joined by a newline (vLLM's "\n".join of the
+# parts' texts for a template that takes content as a string), null content "", arguments a mapping.
 AS_THE_TEMPLATE_SEES = [
     {"role": "system", "content": "You answer with tools."},
-    {"role": "user", "content": "Weather in\nParis?"},
+    {"role": "user", "content": "Weather in Paris?\nOne word."},
     {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
@@ -73,7 +74,7 @@ def test_tool_turns_and_text_parts_render_as_transformers_renders_them(hf_tokeni
     assert enc.token_ids == list(want)
     text = hf_tokenizer.tokenizer.decode(enc.token_ids)
     assert '<call call_1>get_weather{"city": "Paris"}</call>' in text  # the arguments encoded once
-    assert "<|tool|>[get_weather](call_1)18 C" in text and "<|user|>Weather in\nParis?" in text
+    assert "<|tool|>[get_weather](call_1)18 C" in text and "<|user|>Weather in Paris?\nOne word." in text
     assert json.loads(enc.text) == AS_THE_TEMPLATE_SEES  # the prompt column shows what the template got
 
 
@@ -106,7 +107,7 @@ def test_a_parquet_column_of_message_structs_drops_the_null_fields_each_message_
     """Arrow gives every struct every field: a user message has tool_calls=None there, which a template
     testing `'tool_calls' in message` must not see."""
     turns = [{**m, "content": m["content"] if isinstance(m["content"], str) or m["content"] is None
-              else "Weather in\nParis?"} for m in TOOL_TURNS]
+              else "Weather in Paris?\nOne word."} for m in TOOL_TURNS]
     path = tmp_path / "chats.parquet"
     pq.write_table(pa.table({"messages": [turns]}), path)
     assert pq.read_table(path).to_pylist()[0]["messages"][0]["tool_calls"] is None  # as Arrow stores it
@@ -120,6 +121,9 @@ def test_a_parquet_column_of_message_structs_drops_the_null_fields_each_message_
                                                             "function": {"name": "f", "arguments": "{oops"}}]},
      "tool_calls[0].function.arguments is not JSON text"),
     ({"role": "assistant", "content": "x", "tool_calls": "f()"}, "tool_calls must be a list"),
+    # arguments as JSON text are capped as any row's JSON is (before, 200 levels reached the template)
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 200 + "]" * 200}}]}, "arguments is nested too deeply: more than 128 levels"),
 ])
 def test_messages_no_template_can_take_are_the_rows_error(message, error):
     enc = encode_prompt([message], "auto", FakeEngine().tokenizer, False, "messages")

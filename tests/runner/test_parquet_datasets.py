@@ -143,3 +143,57 @@ def test_a_partition_key_that_is_also_a_column_of_another_type_is_refused(tmp_pa
                    root / "lang=en" / "part-0.parquet")
     with pytest.raises(ConfigError, match="partition directory's key is also a column"):
         open_source(workload(root))
+
+
+def test_parts_with_no_rows_are_left_out_whatever_their_columns(tmp_path, caplog):
+    """Spark and Ray Data write empty partitions as parts with no rows, pandas an empty frame as a part with
+    no columns: they hold nothing to run, so neither a missing prompt column nor a type the other parts do
+    not have may stop the job (before, the part without columns was refused as lacking the prompt)."""
+    d = tmp_path / "parts"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": ["p0", "p1", "p2"]}), d / "part-0.parquet")
+    pq.write_table(pa.table({}), d / "part-1.parquet")  # no rows, no columns
+    pq.write_table(pa.table({"prompt": pa.array([], pa.int64())}), d / "part-2.parquet")  # no rows, another type
+    pq.write_table(pa.table({"prompt": ["p3"]}), d / "part-3.parquet")
+    with caplog.at_level(logging.INFO, logger="ladle"):
+        local, shares = local_and_shares(d)
+    expected = [(0, "0", "p0", None, None, None), (1, "1", "p1", None, None, None),
+                (2, "2", "p2", None, None, None), (3, "3", "p3", None, None, None)]
+    assert local == shares == expected
+    assert "2 Parquet parts with no rows: part-1.parquet, part-2.parquet" in caplog.text
+    out = tmp_path / "out"
+    result = run_job(compose_cfg("workload=parquet", f"workload.path={d}"), out, engine=FakeEngine(max_num_seqs=2))
+    assert result.summary["requests"] == 4 and result.summary["errors"] == 0
+
+
+def test_a_directory_whose_parts_all_have_no_rows_runs_no_request(tmp_path):
+    d = tmp_path / "parts"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), d / "part-0.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), d / "part-1.parquet")
+    assert rows_of(open_source(workload(d))) == []
+
+
+@pytest.mark.parametrize("log_dir,marker,name", [("_delta_log", "00000000000000000000.json", "Delta Lake"),
+                                                 (".hoodie", "hoodie.properties", "Hudi"),
+                                                 ("metadata", "v1.metadata.json", "Iceberg"),
+                                                 ("_spark_metadata", "0", "Spark streaming sink's output")])
+def test_a_table_format_directory_is_refused_naming_it(tmp_path, log_dir, marker, name):
+    """A Delta, Hudi or Iceberg table keeps the files of rows it deleted or overwrote until they are vacuumed;
+    only its log says which files are the table. Read as plain Parquet, the overwritten rows ran again
+    beside their replacements (before, silently: the log directory was skipped as hidden or not Parquet)."""
+    d = tmp_path / "table"
+    (d / log_dir).mkdir(parents=True)
+    (d / log_dir / marker).write_text("{}")
+    pq.write_table(pa.table({"prompt": ["old version of row 0"]}), d / "part-00000-a.snappy.parquet")
+    pq.write_table(pa.table({"prompt": ["new version of row 0"]}), d / "part-00000-b.snappy.parquet")
+    with pytest.raises(ConfigError, match=f"is an? .*{name}.*{log_dir}/.*plain Parquet"):
+        open_source(workload(d))
+
+
+def test_a_directory_named_metadata_without_iceberg_files_is_not_a_table(tmp_path):
+    d = tmp_path / "parts"
+    (d / "metadata").mkdir(parents=True)
+    (d / "metadata" / "notes.json").write_text("{}")
+    pq.write_table(pa.table({"prompt": ["p0"]}), d / "part-0.parquet")
+    assert [r[2] for r in rows_of(open_source(workload(d)))] == ["p0"]

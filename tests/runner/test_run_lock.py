@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ladle.runner.config import ConfigError
 from ladle.runner.run_lock import RunDirBusy, RunDirLock
 from tests.runner.test_cli import FAST, PROMPTS
 
@@ -60,4 +62,27 @@ def test_the_lock_is_released_when_the_job_ends_and_refuses_a_second_holder(tmp_
     with RunDirLock(tmp_path), pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"), RunDirLock(tmp_path):
         pass
     with RunDirLock(tmp_path):  # released by the first holder's end: taken again
+        pass
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+@pytest.mark.parametrize("at", ["open", "write"])
+def test_a_run_directory_that_cannot_take_the_lock_is_a_config_error_naming_it(tmp_path, monkeypatch, err, at):
+    """A read-only directory, a lock file another user owns, a full disk: the job stops before anything
+    runs with exit 2's error naming the directory and the cause (before, an OSError traceback, exit 1)."""
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def fail(*a, **kw):
+        raise OSError(err, os.strerror(err))
+
+    if at == "open":
+        monkeypatch.setattr(os, "open", lambda p, *a, **kw: fail() if str(p).endswith(".ladle.lock")
+                            else real_open(p, *a, **kw))
+    else:
+        monkeypatch.setattr(os, "pwrite", fail)
+    with pytest.raises(ConfigError, match=f"{tmp_path}.*{os.strerror(err)}.*hydra.run.dir"), RunDirLock(tmp_path):
+        pass
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    with RunDirLock(tmp_path):  # nothing held on: the directory is taken once the cause is gone
         pass

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ladle.runner.durable import recover
 from ladle.runner.report import distribution, format_table, itl_gaps, summarize
 from ladle.runner.sinks import (
     STEPS_SCHEMA,
@@ -16,7 +17,6 @@ from ladle.runner.sinks import (
     generations_schema,
     previous_attempts,
     previous_batches,
-    recover,
     tmp_path,
 )
 

@@ -125,16 +125,22 @@ class Local(Executor):
 
 
 def _drive(loop: Loop, writer: RunWriter) -> bool:
-    """Copy the previous rows, run the loop, close the files whatever happens; whether it was interrupted."""
+    """Copy the previous rows, run the loop, close the files whatever happens; whether it was interrupted
+    (also by an interrupt while the files closed: they are finalised all the same)."""
+    interrupted = False
     try:
         writer.copy_previous()
         loop.run()
     except KeyboardInterrupt:
-        return True
+        interrupted = True
     finally:
-        loop.close()
-        writer.close()
-    return False
+        try:
+            loop.close()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            writer.close()
+    return interrupted or writer.interrupted
 
 
 def _config_info(job: JobConfig) -> dict[str, Any]:

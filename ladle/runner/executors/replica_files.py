@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ladle.runner.config import ConfigError, JobConfig
+from ladle.runner.durable import fsync_path, sync_dir
 from ladle.runner.report import SUMMARY
 from ladle.runner.sinks import (
     CONFIG_KEY,
@@ -97,7 +98,9 @@ def stream_merge(sources: list[tuple[int, Path]], dest: Path, add_replica: bool,
                 if add_replica:
                     t = t.append_column("replica", pa.array([k] * t.num_rows, pa.int32()))
                 w.write_table(conform(t, schema).replace_schema_metadata(schema.metadata))
+    fsync_path(tmp)  # on the device before its name does (runner/sinks.py)
     os.replace(tmp, dest)
+    sync_dir(dest.parent)
     return dest
 
 

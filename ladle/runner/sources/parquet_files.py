@@ -7,6 +7,9 @@
   takes the type the others give it, int32 + int64 -> int64, int + float -> float), so no part is cast
   to another part's null type mid-job; a dictionary (pandas categorical) column reads as its values. Types that cannot be unified (string in one part, int64 in
   another) are a ConfigError naming both files and types, before the model loads.
+- A table format's directory (Delta Lake's `_delta_log/`, Hudi's `.hoodie/`, Iceberg's `metadata/`) is refused:
+  its files include rows the table removed, which only its log tells apart.
+- Parts with no rows are left out (their schema, even one without the prompt column, does not count).
 - Hive partitions: `key=value` directories (pandas `partition_cols`, Spark, Ray Data) are columns.
 """
 
@@ -91,8 +94,28 @@ def _conflict(files: list[Location], schemas: list[pa.Schema]) -> str:
     return "the Parquet parts' schemas cannot be unified"  # pragma: no cover - unify_schemas failed on no column
 
 
+# A table format's log beside its Parquet files: the files hold rows the table has since deleted or replaced.
+TABLE_LOGS = {"_delta_log": "a Delta Lake table", ".hoodie": "an Apache Hudi table",
+              "metadata": "an Apache Iceberg table", "_spark_metadata": "a Spark streaming sink's output"}
+
+
+def _table_format(p: Location) -> str | None:
+    """The table format whose log `p` holds (its Parquet files alone are not the table), if any."""
+    for log_dir, name in TABLE_LOGS.items():
+        d = p.child(log_dir)
+        if d.is_dir() and (log_dir != "metadata" or any(
+                i.base_name.endswith(".metadata.json") for i in p.fs.get_file_info(pafs.FileSelector(d.path)))):
+            return f"{name} (it has {log_dir}/)"
+    return None
+
+
 def open_dataset(p: Location, path_text: str) -> ds.Dataset:
     """The dataset of `p`'s data files with one unified schema and hive partition keys as columns."""
+    if p.is_dir() and (table := _table_format(p)) is not None:
+        raise ConfigError(f"workload.path={redact(path_text)!r} is {table}: its Parquet files also hold rows the table "
+                          "has deleted or replaced (or a failed batch wrote), which only its log tells apart; write "
+                          "the table out as plain Parquet (e.g. Spark's df.write.parquet(...)) and point "
+                          "workload.path there")
     files, skipped = data_files(p)
     base = p.path.rstrip("/") + "/"
     if skipped:
@@ -102,6 +125,7 @@ def open_dataset(p: Location, path_text: str) -> ds.Dataset:
         raise ConfigError(f"workload.path={redact(path_text)!r} has no Parquet data files"
                           + (f" (skipped: {', '.join(f.name for f in skipped[:5])})" if skipped else ""))
     try:
+        files = _without_empty(files, p, path_text)
         schema = unified_schema(files)
         names = [f.path for f in files]
         if p.is_file():
@@ -112,6 +136,18 @@ def open_dataset(p: Location, path_text: str) -> ds.Dataset:
                           partition_base_dir=p.path, filesystem=p.fs)
     except (pa.ArrowInvalid, OSError) as e:
         raise ConfigError(f"workload.path={redact(path_text)!r} is not readable as Parquet: {redact(str(e))}") from None
+
+
+def _without_empty(files: list[Location], base: Location, path_text: str) -> list[Location]:
+    """The parts that hold rows (all of them when none does). A part with no rows (Spark's and Ray Data's
+    empty partitions, a pandas frame with no columns) adds nothing, so its schema must not stop the job."""
+    empty = [f for f in files if pq.read_metadata(f.path, filesystem=f.fs).num_rows == 0]
+    if not empty or len(empty) == len(files):
+        return files
+    prefix = base.path.rstrip("/") + "/"
+    log.info("workload.path=%s: skipped %d Parquet parts with no rows: %s", redact(path_text), len(empty),
+             ", ".join(f.path[len(prefix):] for f in empty[:10]) + (" ..." if len(empty) > 10 else ""))
+    return [f for f in files if f not in empty]
 
 
 def _hive_keys(names: list[str], base: Location, path_text: str) -> tuple[ds.Partitioning | None, pa.Schema]:
