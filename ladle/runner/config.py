@@ -111,9 +111,9 @@ class SamplingConfig:
     """ladle.engine.SamplingParams as a config node (its structured field is a typed sub-node here, since a
     config type cannot be "text or mapping"); ladle.runner.sampling.base_params turns it into SamplingParams."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # null = up to cache.max_model_len
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # set: row i samples with seed + i (a seed column gives the row's own)
@@ -123,6 +123,13 @@ class SamplingConfig:
     n: int = 1  # samples per prompt: one generations row each (sample_index)
     logprobs: int | None = None  # null = off; k: the chosen token's logprob + top-k alternatives
     prompt_logprobs: int | None = None  # null = off; k: every prompt token's logprob (+ top-k)
+    min_tokens: int = 0  # EOS / stop_token_ids / stop strings end nothing before this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = None  # {token id: bias}
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 
@@ -337,11 +344,12 @@ def _check_sampling(job: JobConfig) -> None:
     try:
         params = base_params(job.sampling)
     except ValueError as e:
-        raise ConfigError(f"sampling.structured: {e}") from None
+        raise ConfigError(f"sampling{'' if str(e).startswith('logit_bias') else '.structured'}: {e}") from None
     problems = param_problems(params)
     if problems:
         raise ConfigError("sampling: " + "; ".join(problems))
-    error = stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+    error = (stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+             or stop_token_ids_error(list(params.logit_bias or {}), job.model, "sampling.logit_bias"))
     if error:
         raise ConfigError(error)
     if params.structured is not None:  # a spec for every row that cannot compile would fail every row
