@@ -458,3 +458,16 @@ def test_penalties_from_a_column_give_the_engine_apis_tokens(tmp_path, engine):
         SP(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, logit_bias={104: 5.0})])
     assert [rows[i]["output_token_ids"] for i in ("0", "1")] == [w.output_token_ids for w in want]
     assert want[0].output_token_ids != want[1].output_token_ids
+
+
+def test_boolean_and_map_columns_hold_the_flags_and_the_bias(tmp_path):
+    """A Parquet bool column for the text switches and a map column for logit_bias (as pandas / Arrow write
+    them) are usable column types, not config errors."""
+    bias = pa.array([[(65, -5.0)], None], pa.map_(pa.int64(), pa.float64()))
+    src = write(tmp_path / "p.parquet", prompt=["a", "b"], inc=pa.array([True, None]), lb=bias)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}",
+                      "+workload.columns={include_stop_str_in_output: inc, logit_bias: lb}")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    assert eng.params_seen["0"].include_stop_str_in_output is True and eng.params_seen["0"].logit_bias == {65: -5.0}
+    assert eng.params_seen["1"].include_stop_str_in_output is False and eng.params_seen["1"].logit_bias is None
