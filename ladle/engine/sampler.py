@@ -114,6 +114,7 @@ class Sampler:
         full = sorted_logits.softmax(dim=-1)
         kth = sorted_logits.gather(1, (top_k - 1)[:, None])
         drop = (sorted_logits < kth) | (full < min_p[:, None] * full[:, :1])
+        del full  # freed before the next [rows, vocab] tensors (memory.SAMPLER_BYTES_PER_LOGIT)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays).
         # top_p = 1 must keep everything: in float32 the running sum reaches 1.0 before the tail of
