@@ -155,3 +155,12 @@ def test_bad_values_fail_the_request_naming_them(path, params, needle):
     eng = make_engine(path)
     out = eng.generate([PROMPT], params)[0]
     assert out.finish_reason == "error" and needle in out.error, out.error
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens(path):
+    eng = byte_engine(path)
+    base = {"max_tokens": 6, "temperature": 0.0, "logit_bias": {65: 60.0, 66: 52.0, 67: 44.0, 68: 36.0},
+            "repetition_penalty": 100.0, "stop": ["B"]}  # decodes "ABCD..."
+    early, late = eng.generate([PROMPT, PROMPT], [SamplingParams(**base), SamplingParams(min_tokens=3, **base)])
+    assert early.text == "A" and early.finish_reason == "stop"
+    assert late.text.startswith("ABCD") and late.finish_reason == "length"  # "B" came with token 2 of 3
