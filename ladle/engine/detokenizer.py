@@ -30,10 +30,11 @@ class DetokState:
     prefix_offset: int
     read_offset: int
     pending: str = ""  # raw text not yet cleaned up and released (clean-up tokenizers only)
+    skip_special: bool = True  # special tokens' text left out (vLLM's skip_special_tokens)
 
     @staticmethod
-    def for_prompt(num_prompt_tokens: int) -> DetokState:
-        return DetokState(prefix_offset=num_prompt_tokens, read_offset=num_prompt_tokens)
+    def for_prompt(num_prompt_tokens: int, skip_special: bool = True) -> DetokState:
+        return DetokState(prefix_offset=num_prompt_tokens, read_offset=num_prompt_tokens, skip_special=skip_special)
 
 
 def _window(prompt: Sequence[int], output: Sequence[int], start: int, end: int | None = None) -> list[int]:
@@ -55,8 +56,8 @@ class Detokenizer:
 
     def step(self, state: DetokState, prompt: Sequence[int], output: Sequence[int]) -> str:
         """Text produced by the output tokens appended since the last call."""
-        prefix = self._decode_raw(_window(prompt, output, state.prefix_offset, state.read_offset))
-        full = self._decode_raw(_window(prompt, output, state.prefix_offset))
+        prefix = self._decode(state, _window(prompt, output, state.prefix_offset, state.read_offset))
+        full = self._decode(state, _window(prompt, output, state.prefix_offset))
         raw = ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             state.prefix_offset = state.read_offset
@@ -67,11 +68,15 @@ class Detokenizer:
     def flush(self, state: DetokState, prompt: Sequence[int], output: Sequence[int]) -> str:
         """Whatever text is held back at the end (an incomplete character, text a clean-up rule could
         still rewrite) when a request ends."""
-        prefix = self._decode_raw(_window(prompt, output, state.prefix_offset, state.read_offset))
-        full = self._decode_raw(_window(prompt, output, state.prefix_offset))
+        prefix = self._decode(state, _window(prompt, output, state.prefix_offset, state.read_offset))
+        full = self._decode(state, _window(prompt, output, state.prefix_offset))
         state.prefix_offset = state.read_offset = len(prompt) + len(output)
         raw = full[len(prefix) :] if len(full) > len(prefix) else ""
         return self._release(state, raw, final=True)
+
+    def _decode(self, state: DetokState, ids: list[int]) -> str:
+        # The flag is passed only when it is not the default: a tokenizer may not take it.
+        return self._decode_raw(ids) if state.skip_special else self._decode_raw(ids, skip_special_tokens=False)
 
     def _release(self, state: DetokState, raw: str, final: bool) -> str:
         if self._clean_up is None:
@@ -96,14 +101,17 @@ class Detokenizer:
         return 0
 
 
-def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:
-    """Index where the earliest stop string starts, searching only where the new text could complete one."""
-    best = None
+def find_stop(text: str, new_len: int, stops: list[str], include: bool = False) -> int | None:
+    """Where the text is cut for the earliest stop string: where it starts (or, `include`, where it
+    ends), searching only where the new text could complete one; None if there is none."""
+    best: tuple[int, int] | None = None
     for s in stops:
         if not s:
             continue
         lo = max(0, len(text) - new_len - len(s) + 1)
         i = text.find(s, lo)
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, len(s))
+    if best is None:
+        return None
+    return best[0] + best[1] if include else best[0]

@@ -61,6 +61,8 @@ class InputProcessor:
                 error = error or f"invalid sampling params: they cannot be copied ({type(exc).__name__}: {exc}){fix}"
         if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
             params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
+        if isinstance(params, SamplingParams) and params.max_tokens is None:  # vLLM: up to max_model_len
+            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(ids), 1))
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))
         try:
             error = error or self.validate(req)
@@ -88,6 +90,9 @@ class InputProcessor:
         if bad:
             return (f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); "
                     f"remove them")
+        bad = [t for t in req.params.logit_bias or {} if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); remove them"
         total = n + req.params.max_tokens
         if total > self.max_model_len:
             return (
@@ -118,8 +123,9 @@ def own_copy(params: SamplingParams) -> SamplingParams:
         schema = so.json_schema
         so = dataclasses.replace(so, json_schema=schema_text(schema) if isinstance(schema, dict) else schema,
                                  choice=copied(so.choice))
+    bias = params.logit_bias
     return dataclasses.replace(params, stop=copied(params.stop), stop_token_ids=copied(params.stop_token_ids),
-                               structured=so)
+                               structured=so, logit_bias=dict(bias) if isinstance(bias, dict) else bias)
 
 
 def derived_seed(engine_seed: int, request_id: str) -> int:

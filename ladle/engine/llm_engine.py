@@ -112,7 +112,7 @@ class LLMEngine:
         forks = make_forks(sampling, self.device)
         rows, drawers = expand_rows(sampling, forks)
         mask = self._structured.apply_masks if self._structured.in_use else None
-        drawn = self.sampler.draw(ran.logits, rows, drawers, mask)
+        drawn = self.sampler.draw(ran.logits, rows, drawers, mask, self.output_processor.eos_token_ids)
         timer.lap("sample")
         return StepResult(ran, forks, drawn)
 

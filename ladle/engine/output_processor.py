@@ -29,7 +29,7 @@ class OutputProcessor:
     # -- sequences -------------------------------------------------------------------------------
     def start(self, req: Request) -> None:
         """A new sequence (an admitted request, or a forked sample): its text starts at the output."""
-        self._detok[req] = DetokState.for_prompt(req.num_prompt_tokens)
+        self._detok[req] = DetokState.for_prompt(req.num_prompt_tokens, req.params.skip_special_tokens)
 
     def drop(self, req: Request) -> None:
         self._detok.pop(req, None)
@@ -37,23 +37,29 @@ class OutputProcessor:
     # -- a sampled token -------------------------------------------------------------------------
     def take_token(self, req: Request, token: int, grammar_ended: bool) -> str | None:
         """The text of the token just appended, and whether it ends the request: "stop" (its grammar
-        ended, EOS, a stop token, a stop string), "length" (max_tokens, max_model_len) or None."""
+        ended, EOS, a stop token, a stop string), "length" (max_tokens, max_model_len) or None. As in
+        vLLM, EOS, stop tokens and stop strings end nothing before min_tokens (stop strings only past
+        it), and a stop token's own text is not output unless include_stop_str_in_output (or a grammar
+        took it)."""
         p = req.params
+        n = len(req.output_token_ids)
+        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        reason = "stop" if grammar_ended or (stop_token and n >= p.min_tokens) else None
+        if reason is None and (n >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        # A grammar's stop token keeps its text: the grammar may need it (docs/ARCHITECTURE.md).
+        hide = reason == "stop" and stop_token and not grammar_ended and not p.include_stop_str_in_output
+        shown = req.output_token_ids[:-1] if hide else req.output_token_ids
         # Text is built as it comes only when it is read per step or a stop string must be found.
         streamed = p.output_kind == "delta" or bool(p.stop)
         new_text = ""
-        if streamed:
-            new_text = self.detokenizer.step(self._detok[req], req.prompt_token_ids, req.output_token_ids)
-        reason = None
-        if grammar_ended or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
+        if streamed and not hide:
+            new_text = self.detokenizer.step(self._detok[req], req.prompt_token_ids, shown)
         if reason is not None:  # the last text now: stop strings are checked on it
-            new_text += self.detokenizer.flush(self._detok.pop(req), req.prompt_token_ids, req.output_token_ids)
+            new_text += self.detokenizer.flush(self._detok.pop(req), req.prompt_token_ids, shown)
         req.text += new_text
-        if p.stop:
-            cut = find_stop(req.text, len(new_text), p.stop)
+        if p.stop and n > p.min_tokens:
+            cut = find_stop(req.text, len(new_text), p.stop, p.include_stop_str_in_output)
             if cut is not None:
                 req.text = req.text[:cut]
                 reason = "stop"
@@ -71,8 +77,9 @@ class OutputProcessor:
             log.debug("request %s: final text not flushed: %s", req.request_id, exc)
             return
         req.text += tail
-        if req.params.stop:  # the released text is text too: a stop string in it cuts it
-            cut = find_stop(req.text, len(tail), req.params.stop)
+        p = req.params
+        if p.stop and len(req.output_token_ids) > p.min_tokens:  # the released text is text too
+            cut = find_stop(req.text, len(tail), p.stop, p.include_stop_str_in_output)
             if cut is not None:
                 req.text = req.text[:cut]
 

@@ -1,18 +1,20 @@
-"""Token sampling, vectorised across the batch: greedy, temperature, top-k, top-p, min-p, seeds.
+"""Token sampling, vectorised across the batch: greedy, temperature, min-p, top-k, top-p, seeds.
 
-Greedy rows take the argmax. Rows that use top-k, top-p or min-p are filtered in one sorted pass
-(their defaults, top_k=0, top_p=1, min_p=0, are exact no-ops and cost no sort); rows are sampled with
+The logits are first processed (engine/logits_processors.py: logit_bias, min_tokens, penalties). Greedy
+rows take the argmax. Rows that use min-p, top-k or top-p are filtered in one sorted pass, in vLLM V1's
+order (their defaults, min_p=0, top_k=0 or -1, top_p=1, are exact no-ops and cost no sort); rows are sampled with
 the exponential-race trick (argmax of p / Exp(1) noise), which draws the noise per row, so a request
 with its own seed gets the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
+from ladle.engine.logits_processors import apply as process_logits
 from ladle.engine.logprobs import SampleLogprobs, TopK
 from ladle.engine.request import Request
 
@@ -36,10 +38,11 @@ class Sampler:
         self.logprob_vocab = logprob_vocab  # ids reported as top-k alternatives: [0, logprob_vocab)
 
     def draw(self, logits: torch.Tensor, rows: list[int] | None, requests: list[Request],
-             mask: Mask | None = None) -> Drawn:
+             mask: Mask | None = None, eos_token_ids: Collection[int] = ()) -> Drawn:
         """A token for each request from its logits row (`rows[i]`, or row i when rows is None): raw
-        logprobs first, then the mask (grammars), then sampling. n > 1 forks repeat a parent's row n
-        times (engine/n_samples.py), so the rows are drawn max_rows at a time."""
+        logprobs first, then the mask (grammars), the logits processors (min_tokens masks EOS, unless
+        ignore_eos, and stop_token_ids), then sampling. n > 1 forks repeat a parent's row n times
+        (engine/n_samples.py), so the rows are drawn max_rows at a time."""
         tokens: list[int] = []
         logprobs: dict[Request, tuple[float, TopK]] = {}
         for lo in range(0, len(requests), self.max_rows):
@@ -54,6 +57,7 @@ class Sampler:
             sample_logprobs = SampleLogprobs.prepare(chunk, part, vocab)  # raw logits
             if mask is not None:
                 mask(chunk, part)
+            process_logits(chunk, part, eos_token_ids)
             drawn = self.sample(chunk, part)
             tokens.extend(drawn)
             logprobs.update((part[i], lp) for i, lp in sample_logprobs.results(drawn).items())
@@ -97,31 +101,35 @@ class Sampler:
 
     @staticmethod
     def _filter(scaled: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Probabilities after top-k, then top-p and min-p on the distribution renormalised over
-        what top-k kept (vLLM's and HF's order), in vocabulary order."""
+        """Probabilities after vLLM V1's filters, in vocabulary order: min-p and top-k on the scaled
+        logits (min-p drops tokens less likely than min_p times the best; top-k keeps every token whose
+        logit is >= the k-th largest, ties included, as vLLM and transformers' TopKLogitsWarper do),
+        then top-p on the distribution renormalised over what they kept."""
         _n, vocab = scaled.shape
         dev = scaled.device
         top_k = torch.tensor([_top_k(r, vocab) for r in reqs], device=dev)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
         min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev)[None, :]
-        probs = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(dim=-1)
+        full = sorted_logits.softmax(dim=-1)
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])
+        drop = (sorted_logits < kth) | (full < min_p[:, None] * full[:, :1])
+        del full  # freed before the next [rows, vocab] tensors (memory.SAMPLER_BYTES_PER_LOGIT)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays).
         # top_p = 1 must keep everything: in float32 the running sum reaches 1.0 before the tail of
         # a large vocabulary, so the comparison alone would drop real tokens.
         drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        drop |= probs < min_p[:, None] * probs[:, :1]
         probs = probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
 def _top_k(req: Request, vocab: int) -> int:
     k = req.params.top_k
-    return vocab if k <= 0 or k >= vocab else k
+    return vocab if k <= 0 or k >= vocab else k  # 0 and -1 (vLLM's "all tokens") are off
 
 
 def _filters(req: Request, vocab: int) -> bool:
-    """Whether any of top-k, top-p, min-p changes the distribution (their defaults are exact no-ops)."""
+    """Whether any of min-p, top-k, top-p changes the distribution (their defaults are exact no-ops)."""
     p = req.params
     return _top_k(req, vocab) < vocab or p.top_p < 1.0 or p.min_p > 0.0

@@ -24,15 +24,25 @@ class StructuredOutputs:            # exactly one field set
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    """vLLM's names and meanings. The logits of a draw are processed in vLLM V1's order: logit_bias,
+    min_tokens, the penalties (greedy rows included), then temperature, min_p, top_k, top_p."""
+
+    max_tokens: int | None = 16  # None = up to max_model_len (the prompt's room)
     temperature: float = 1.0  # 0 (below GREEDY_BELOW) = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 = off; ties with the k-th logit are kept
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # per-request generator; None = engine's generator
     stop: list[str] = field(default_factory=list)  # stop strings; the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids masked, stop strings unchecked, before this many tokens
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # logits of prompt and output tokens: positive / it, negative * it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop token's text)
+    skip_special_tokens: bool = True  # special tokens' text left out of the output text
     n: int = 1                      # samples per prompt; prompt prefilled once, KV shared
     logprobs: int | None = None     # None = off; k >= 0: chosen token's logprob + top-k alternatives
     prompt_logprobs: int | None = None  # None = off; k >= 0: logprob of every prompt token (+ top-k)
@@ -62,8 +72,8 @@ class SamplingParams:
 
         out = []
         # -- n / logprobs / prompt_logprobs / scoring --
-        if not count(self.max_tokens) or self.max_tokens < 0:
-            out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.max_tokens is not None and (not count(self.max_tokens) or self.max_tokens < 0):
+            out.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1, or None (up to max_model_len)")
         elif self.max_tokens == 0 and self.prompt_logprobs is None:
             out.append("max_tokens=0 is only for scoring: set prompt_logprobs (e.g. 0), or max_tokens >= 1")
         if not count(self.n) or self.n < 1:
@@ -77,8 +87,8 @@ class SamplingParams:
         if not number(t) or t > FLOAT32_MAX or not math.isfinite(t) or t < 0:
             out.append(f"temperature={t!r} must be a finite number >= 0 and at most {FLOAT32_MAX:.7g} "
                        f"(float32's largest; 0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+        if not count(self.top_k) or self.top_k < -1:
+            out.append(f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 (off: every token)")
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             out.append(f"top_p={self.top_p!r} must be in (0, 1]")
         if not number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -86,12 +96,8 @@ class SamplingParams:
         if self.seed is not None and (not count(self.seed) or not -(2**63) <= self.seed < 2**64):
             # torch.Generator.manual_seed takes [-2**63, 2**64): a larger seed would fail the whole step
             out.append(f"seed={self.seed!r} must be None or an integer in [-2**63, 2**64)")
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
-            out.append(f"stop={self.stop!r} must be a list of strings")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(x, int) for x in self.stop_token_ids
-        ):
-            out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        out.extend(self._stop_problems())
+        out.extend(self._processing_problems(number, count))
         if self.output_kind not in OUTPUT_KINDS:
             out.append(f"output_kind={self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
         # -- structured output --
@@ -100,6 +106,38 @@ class SamplingParams:
                 out.append(f"structured={self.structured!r} must be a StructuredOutputs or None")
             else:
                 out.extend(structured_problems(self.structured))
+        return out
+
+
+    def _stop_problems(self) -> list[str]:
+        out = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            out.append(f"stop={self.stop!r} must be a list of strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(isinstance(x, int) for x in self.stop_token_ids):
+            out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        return out
+
+    def _processing_problems(self, number, count) -> list[str]:
+        """min_tokens, the penalties, logit_bias and the text switches (vLLM's ranges)."""
+        out = []
+        if not count(self.min_tokens) or self.min_tokens < 0:
+            out.append(f"min_tokens={self.min_tokens!r} must be an integer >= 0")
+        elif count(self.max_tokens) and self.min_tokens > self.max_tokens:
+            out.append(f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not number(v) or not -2.0 <= v <= 2.0:
+                out.append(f"{name}={v!r} must be in [-2, 2] (0 = off)")
+        r = self.repetition_penalty
+        if not number(r) or not 0 < r <= FLOAT32_MAX:  # (NaN fails the comparison too)
+            out.append(f"repetition_penalty={r!r} must be a finite number > 0 (1 = off)")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or not all(
+                count(k) and number(v) and -FLOAT32_MAX <= v <= FLOAT32_MAX for k, v in bias.items())):
+            out.append(f"logit_bias={bias!r:.200} must be a mapping of integer token ids to finite numbers")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name}={getattr(self, name)!r} must be true or false")
         return out
 
 

@@ -109,9 +109,10 @@ class HFTokenizer:
         probe = self.encode("a . b , c ! d ? e n't f 's g 'm h 've i 're j ' k ' l", add_special_tokens=False)
         return self.decode(probe) != self.decode_raw(probe)
 
-    def decode_raw(self, ids: list[int]) -> str:
+    def decode_raw(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """decode() without the clean-up of spaces: what incremental detokenisation windows need."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def clean_up(self, text: str) -> str:
         """The tokenizer's own clean-up: decode(ids) == clean_up(decode_raw(ids))."""

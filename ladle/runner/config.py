@@ -221,11 +221,12 @@ def _check_sampling(job: JobConfig) -> None:
     try:
         params = base_params(job.sampling)
     except ValueError as e:
-        raise ConfigError(f"sampling.structured: {e}") from None
+        raise ConfigError(f"sampling{'' if str(e).startswith('logit_bias') else '.structured'}: {e}") from None
     problems = param_problems(params)
     if problems:
         raise ConfigError("sampling: " + "; ".join(problems))
-    error = stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+    error = (stop_token_ids_error(job.sampling.stop_token_ids, job.model)
+             or stop_token_ids_error(list(params.logit_bias or {}), job.model, "sampling.logit_bias"))
     if error:
         raise ConfigError(error)
     if params.structured is not None:  # a spec for every row that cannot compile would fail every row

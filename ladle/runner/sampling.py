@@ -21,9 +21,10 @@ from ladle.engine.sampling_params import SamplingParams, StructuredOutputs
 from ladle.runner.text import TooDeep, check_depth, load_json
 
 STRUCTURED_KEYS = ("json_schema", "regex", "choice", "grammar")
-INT_KEYS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
-FLOAT_KEYS = ("temperature", "top_p", "min_p")
-COLUMN_KEYS = (*INT_KEYS, *FLOAT_KEYS, "stop", *STRUCTURED_KEYS)
+INT_KEYS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens")
+FLOAT_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+BOOL_KEYS = ("include_stop_str_in_output", "skip_special_tokens")
+COLUMN_KEYS = (*INT_KEYS, *FLOAT_KEYS, *BOOL_KEYS, "stop", "logit_bias", *STRUCTURED_KEYS)
 # Most samples per prompt: the engine forks all n at once when the prompt is prefilled, so a row asking
 # for millions would exhaust memory and stop the job (a run needing more writes the row several times).
 MAX_N = 1024
@@ -72,6 +73,31 @@ def as_float(value: Any) -> float:
     if not math.isfinite(value):
         raise BadValue("must be a finite number")
     return float(value)
+
+
+def as_bool(value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise BadValue("must be true or false")
+
+
+def as_logit_bias(value: Any) -> dict[int, float]:
+    """Token id -> bias: a mapping (OpenAI's JSON has string keys, "50256": -100), its JSON text, or an
+    Arrow map column's list of (key, value) pairs."""
+    value = _plain(value)
+    if isinstance(value, str):
+        value = _load(value)
+    if isinstance(value, (list, tuple, np.ndarray)) and all(isinstance(x, (list, tuple)) and len(x) == 2
+                                                             for x in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise BadValue("must map token ids to numbers (a mapping, or its JSON text)")
+    try:
+        return {as_int(k): as_float(v) for k, v in value.items()}
+    except BadValue as e:
+        raise BadValue(f"must map integer token ids to finite numbers (a key or value {e})") from None
 
 
 def as_stop(value: Any) -> list[str]:
@@ -136,7 +162,8 @@ def as_choice(value: Any) -> list[str]:
 
 
 CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    **{k: as_int for k in INT_KEYS}, **{k: as_float for k in FLOAT_KEYS}, "stop": as_stop,
+    **{k: as_int for k in INT_KEYS}, **{k: as_float for k in FLOAT_KEYS}, **{k: as_bool for k in BOOL_KEYS},
+    "stop": as_stop, "logit_bias": as_logit_bias,
     "json_schema": as_schema, "regex": as_text, "choice": as_choice, "grammar": as_text,
 }
 
@@ -174,6 +201,11 @@ def base_params(cfg: Any) -> SamplingParams:
         raise ValueError(str(e)) from None
     # The job writes finished requests only: per-step outputs and their text would be work nobody reads.
     kw["output_kind"] = "final_only"
+    if kw.get("logit_bias") is not None:  # a config mapping's keys may be text ("50256": -100)
+        try:
+            kw["logit_bias"] = as_logit_bias(kw["logit_bias"]) or None
+        except BadValue as e:
+            raise ValueError(f"logit_bias={kw['logit_bias']!r:.200} {e}") from None
     return SamplingParams(**kw, structured=structured)
 
 

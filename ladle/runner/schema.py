@@ -95,9 +95,9 @@ class SamplingConfig:
     """ladle.engine.SamplingParams as a config node (its structured field is a typed sub-node here, since a
     config type cannot be "text or mapping"); ladle.runner.sampling.base_params turns it into SamplingParams."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # null = up to cache.max_model_len
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # set: row i samples with seed + i (a seed column gives the row's own)
@@ -107,6 +107,13 @@ class SamplingConfig:
     n: int = 1  # samples per prompt: one generations row each (sample_index)
     logprobs: int | None = None  # null = off; k: the chosen token's logprob + top-k alternatives
     prompt_logprobs: int | None = None  # null = off; k: every prompt token's logprob (+ top-k)
+    min_tokens: int = 0  # EOS / stop_token_ids / stop strings end nothing before this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = None  # {token id: bias}
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 

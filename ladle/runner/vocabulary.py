@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def stop_token_ids_error(ids: list[int], model: Any) -> str | None:
-    """Why config-wide `sampling.stop_token_ids` cannot be used with `model` (a ModelConfig), or None."""
+def stop_token_ids_error(ids: list[int], model: Any, key: str = "sampling.stop_token_ids") -> str | None:
+    """Why config-wide token ids (`sampling.stop_token_ids`, the keys of `sampling.logit_bias`: `key`)
+    cannot be used with `model` (a ModelConfig), or None."""
     ids = list(ids)
     if not ids:
         return None  # nothing to check: no need to read the model's config files
@@ -25,5 +26,5 @@ def stop_token_ids_error(ids: list[int], model: Any) -> str | None:
     if not bad:
         return None
     shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-    return (f"sampling.stop_token_ids={ids!r:.200}: [{shown}] outside the vocabulary [0, {arch.vocab_size}) of "
+    return (f"{key}={ids!r:.200}: [{shown}] outside the vocabulary [0, {arch.vocab_size}) of "
             f"model {model.name!r}; use ids of this model's tokenizer")

@@ -85,8 +85,8 @@ class Drive:
 
 def drive(eng: LLMEngine, after_step: Callable[[LLMEngine], None] | None = None,
           max_steps: int = 100_000) -> Drive:
-    """Step until idle, calling after_step(eng) after each step; then check that every request finished,
-    no KV block leaked and the block pool's invariants hold."""
+    """Step until idle, calling after_step(eng) after each step; check_engine after every step and every
+    after_step; then check that every request finished and no KV block leaked."""
     run = Drive()
     for _ in range(max_steps):
         if not eng.has_unfinished_requests():
@@ -98,12 +98,32 @@ def drive(eng: LLMEngine, after_step: Callable[[LLMEngine], None] | None = None,
                 run.samples[(out.request_id, out.sample_index)] = out
         if eng.last_step is not None:
             run.steps.append(eng.last_step)
+        check_engine(eng)
         if after_step is not None:
             after_step(eng)
+            check_engine(eng)
     assert not eng.has_unfinished_requests(), "engine did not finish"
     assert eng.num_free_blocks() == eng.num_total_blocks(), "KV blocks leaked"
-    eng.kv.pool.check_invariants()
+    check_engine(eng)
     return run
+
+
+def check_engine(eng: LLMEngine) -> None:
+    """The engine's rules between steps: a waiting request (new, preempted, a deferred sample) holds no KV
+    block; every block's reference count is the number of running sequences holding it (none leaked,
+    none shared without a reference); the block pool's own invariants."""
+    sched = eng.scheduler
+    for req in sched.waiting:
+        assert not req.block_ids and req.num_cached_blocks == 0, (
+            f"waiting request {req.seq_key} holds KV blocks {req.block_ids}")
+    held = [0] * eng.kv.num_blocks
+    for req in sched.running:
+        for b in req.block_ids:
+            held[b] += 1
+    refs = eng.kv.pool.ref_counts
+    wrong = [(b, refs[b], held[b]) for b in range(len(held)) if refs[b] != held[b]]
+    assert not wrong, f"blocks whose reference count is not their running holders (block, refs, held): {wrong[:5]}"
+    eng.kv.pool.check_invariants()
 
 
 def run_to_completion(eng: LLMEngine, max_steps: int = 100_000) -> dict[str, RequestOutput]:

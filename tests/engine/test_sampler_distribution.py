@@ -20,32 +20,33 @@ DRAWS = 6000
 BOUND = 40.0
 
 
-def exact(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> list[float]:
-    """The reference distribution in float64, written from the definitions (vLLM's and HF's order:
-    temperature, top-k, then top-p and min-p on what top-k kept)."""
-    z = [x / temperature for x in LOGITS.double().tolist()]
-    order = sorted(range(len(z)), key=lambda i: -z[i])
-    kept = order[: top_k or len(z)]
-    m = max(z[i] for i in kept)
-    w = {i: math.exp(z[i] - m) for i in kept}
-    total = sum(w.values())
-    p = {i: w[i] / total for i in kept}
+def exact(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+          logits: torch.Tensor = LOGITS) -> list[float]:
+    """The reference distribution in float64, written from the definitions in vLLM V1's order:
+    temperature; min-p (tokens at least min_p times the best's probability) and top-k (tokens whose
+    logit is >= the k-th largest, ties kept); then top-p on the distribution renormalised over them."""
+    z = [x / temperature for x in logits.double().tolist()]
+    m = max(z)
+    full = [math.exp(x - m) / sum(math.exp(y - m) for y in z) for x in z]
+    kth = sorted(z, reverse=True)[top_k - 1] if 0 < top_k < len(z) else -math.inf
+    kept = [i for i in sorted(range(len(z)), key=lambda i: -z[i]) if z[i] >= kth and full[i] >= min_p * max(full)]
+    total = sum(full[i] for i in kept)
+    p = {i: full[i] / total for i in kept}
     cum, keep = 0.0, []
     for i in kept:
         if cum >= top_p and top_p < 1.0:
             break
         keep.append(i)
         cum += p[i]
-    keep = [i for i in keep if p[i] >= min_p * p[kept[0]]]
     total = sum(p[i] for i in keep)
     return [p[i] / total if i in keep else 0.0 for i in range(len(z))]
 
 
-def draw(params: SamplingParams) -> list[int]:
+def draw(params: SamplingParams, logits: torch.Tensor = LOGITS) -> list[int]:
     sampler = Sampler(seed=1234, device=torch.device("cpu"))
     reqs = [Request(str(i), [1], params, RequestMetrics(arrival_time=0.0)) for i in range(DRAWS)]
-    tokens = sampler.sample(LOGITS.repeat(DRAWS, 1), reqs)
-    return [tokens.count(t) for t in range(len(LOGITS))]
+    tokens = sampler.sample(logits.repeat(DRAWS, 1), reqs)
+    return [tokens.count(t) for t in range(len(logits))]
 
 
 def chi_square(counts: list[int], probs: list[float]) -> float:
@@ -77,6 +78,10 @@ CASES = [
     ({"temperature": 3.0, "min_p": 0.5}, {"temperature": 1.0, "min_p": 0.5}),
     ({"temperature": 1.0, "min_p": 1.0}, {"temperature": 1.0}),  # limit: only tokens as likely as the best
     ({"temperature": 1.5, "top_k": 4, "top_p": 0.8, "min_p": 0.1}, {"temperature": 1.5, "top_k": 4}),
+    # min-p first, then top-p on what it kept (vLLM V1): only token 0. Top-p on the whole distribution
+    # first (the order ladle had) keeps tokens 0 and 1, the distribution of min_p alone.
+    ({"temperature": 1.0, "min_p": 0.3, "top_p": 0.7}, {"temperature": 1.0, "min_p": 0.3}),
+    ({"temperature": 1.0, "top_k": -1}, {"temperature": 0.5}),  # vLLM's -1: every token
 ]
 
 
@@ -99,3 +104,24 @@ def test_seeded_rows_are_independent_of_the_batch():
     a = [alone.sample(LOGITS[None], [mine])[0] for _ in range(50)]
     b = [crowd.sample(LOGITS.repeat(6, 1), [*others[:3], twin, *others[3:]])[3] for _ in range(50)]
     assert a == b and len(set(a)) > 1
+
+
+TIED = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0, -1.0])  # three tokens tie for the 2nd place (common in bf16)
+
+
+def by_rank(temperature: float, top_k: int, logits: torch.Tensor) -> list[float]:
+    """What a rank-based top-k would draw from: the first k after a sort, ties cut by their order."""
+    z = (logits.double() / temperature).softmax(-1).tolist()
+    keep = sorted(range(len(z)), key=lambda i: (-z[i], i))[:top_k]
+    return [z[i] / sum(z[j] for j in keep) if i in keep else 0.0 for i in range(len(z))]
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_top_k_keeps_every_token_tied_with_the_kth(top_k):
+    """As vLLM and transformers' TopKLogitsWarper: a token whose logit equals the k-th largest is kept,
+    so top_k=2 over [2, 1, 1, 1, ...] draws from four tokens, not two."""
+    counts = draw(SamplingParams(max_tokens=1, temperature=1.0, top_k=top_k), TIED)
+    want = exact(1.0, top_k=top_k, logits=TIED)
+    assert [p > 0 for p in want] == [True, True, True, True, False, False]
+    assert chi_square(counts, want) < BOUND, (counts, want)
+    assert chi_square(counts, by_rank(1.0, top_k, TIED)) > 5 * BOUND, counts  # power: rank-based is refused

@@ -37,3 +37,23 @@ def test_config_stop_token_ids_inside_the_vocabulary_run(tmp_path, engine):
 def test_a_model_path_that_is_not_there_is_still_named_when_stop_token_ids_are_checked(tmp_path, no_model_load):
     with pytest.raises(ConfigError, match="/no/such/model"):
         run_job(compose_cfg("model.path=/no/such/model", "sampling.stop_token_ids=[1]"), tmp_path / "out")
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ("sampling.logit_bias={600: 1.0}", "sampling.logit_bias=[600]: [600] outside the vocabulary [0, 512)"),
+    ("sampling.logit_bias={5: x}", "sampling: logit_bias="),
+    ("sampling.repetition_penalty=0", "repetition_penalty=0"),
+    ("sampling.min_tokens=100", "min_tokens=100 must be at most max_tokens=4"),
+    ("sampling.presence_penalty=3", "presence_penalty=3.0 must be in [-2, 2]"),
+])
+def test_bad_processing_keys_are_a_config_error_before_the_model_loads(tmp_path, no_model_load, over, needle):
+    with pytest.raises(ConfigError) as e:
+        run_job(compose_cfg(over), tmp_path / "out")
+    assert needle in str(e.value), str(e.value)
+
+
+def test_vllms_top_k_minus_one_and_max_tokens_null_reach_the_loader(tmp_path, no_model_load):
+    """Both were config errors; with vLLM's meanings they are valid (the loader is reached)."""
+    with pytest.raises(ModelLoaded):
+        run_job(compose_cfg("workload.limit=1", "sampling.top_k=-1", "sampling.max_tokens=null",
+                            "sampling.logit_bias={65: 2.5}", "sampling.min_tokens=2"), tmp_path / "out")

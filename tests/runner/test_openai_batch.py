@@ -105,6 +105,23 @@ def test_body_fields_map_onto_sampling(tmp_path):
     assert p["d"].max_tokens == 6
 
 
+def test_penalties_bias_and_vllms_extra_fields_are_read_not_ignored(tmp_path):
+    """presence_penalty, frequency_penalty and logit_bias (OpenAI's; keys as text) and vLLM's extra fields
+    were dropped without a word: a line asking for them ran without them."""
+    lines = [req("a", presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={"65": -100, "66": 3},
+                 repetition_penalty=1.1, min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False),
+             req("b"), req("c", presence_penalty=5)]
+    eng = FakeEngine()
+    run_batch(tmp_path, lines, "sampling.max_tokens=6", "sampling.presence_penalty=1.5", engine=eng)
+    p = eng.params_seen
+    assert (p["a"].presence_penalty, p["a"].frequency_penalty, p["a"].logit_bias) == (0.5, -1.0, {65: -100.0, 66: 3.0})
+    assert p["a"].repetition_penalty == 1.1 and p["a"].min_tokens == 2
+    assert p["a"].include_stop_str_in_output is True and p["a"].skip_special_tokens is False
+    assert p["b"].presence_penalty == 0.0 and p["b"].logit_bias is None  # the format's default, not the config's
+    out = {o["custom_id"]: o for o in read_output(tmp_path / "out")}
+    assert "presence_penalty=5.0 must be in [-2, 2] (0 = off) (from body.presence_penalty)" in out["c"]["error"]["message"]
+
+
 BAD_LINES = [
     ("{not json", None, "not valid JSON"),
     ('["a list"]', None, "not an object"),

@@ -411,3 +411,63 @@ def test_resume_keeps_a_good_row_whose_id_repeats_later_as_an_error_row(tmp_path
     res = run_job(cfg, out, engine=FakeEngine())
     assert sorted((r["id"], r["index"], r["sample_index"], r["error"] is None) for r in rows_of(out)) == before
     assert res.summary["resumed"] == 3
+
+
+# -- vLLM's processing keys as columns --------------------------------------------------------------------
+
+
+def test_penalty_bias_min_tokens_and_text_columns_reach_the_engine(tmp_path):
+    src = tmp_path / "p.jsonl"  # logit_bias as OpenAI writes it: string keys
+    src.write_text("".join(json.dumps(o) + "\n" for o in [
+        {"prompt": "a", "mt": 3, "pp": 0.5, "fp": -0.25, "rp": 1.2, "lb": {"65": -100, "66": 2.5},
+         "inc": True, "skip": "false"},
+        {"prompt": "b"},
+        {"prompt": "c", "rp": 0.0},
+        {"prompt": "d", "lb": {"x": 1}},
+    ]))
+    cols = ("{min_tokens: mt, presence_penalty: pp, frequency_penalty: fp, repetition_penalty: rp, logit_bias: lb, "
+            "include_stop_str_in_output: inc, skip_special_tokens: skip}")
+    cfg = compose_cfg("workload=jsonl", f"workload.path={src}", f"+workload.columns={cols}",
+                      "sampling.max_tokens=4", "sampling.presence_penalty=0.1")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    p = eng.params_seen
+    assert p["0"] == SamplingParams(max_tokens=4, temperature=0.0, min_tokens=3, presence_penalty=0.5,
+                                    frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias={65: -100.0, 66: 2.5},
+                                    include_stop_str_in_output=True, skip_special_tokens=False,
+                                    output_kind="final_only")
+    assert p["1"].presence_penalty == 0.1 and p["1"].logit_bias is None and p["1"].min_tokens == 0
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    assert "repetition_penalty=0.0 must be a finite number > 0 (1 = off) (from column 'rp')" in rows["2"]["error"]
+    assert "column 'lb' (sampling logit_bias)" in rows["3"]["error"]
+
+
+def test_penalties_from_a_column_give_the_engine_apis_tokens(tmp_path, engine):
+    """The real tiny model: a row's penalties and bias make the same output as the engine API with them."""
+    from ladle.engine import SamplingParams as SP
+
+    src = write(tmp_path / "p.parquet", prompt=["hello there", "hello there"], rp=pa.array([None, 1.5]),
+                lb=pa.array([None, json.dumps({"104": 5.0})]))
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "+workload.columns={repetition_penalty: rp, "
+                      "logit_bias: lb}", "sampling.max_tokens=6", "sampling.ignore_eos=true")
+    run_job(cfg, tmp_path / "out", engine=engine)
+    rows = {r["id"]: r for r in rows_of(tmp_path / "out")}
+    prompt = engine.tokenizer.encode("hello there")
+    want = engine.generate([prompt, prompt], [
+        SP(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SP(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, logit_bias={104: 5.0})])
+    assert [rows[i]["output_token_ids"] for i in ("0", "1")] == [w.output_token_ids for w in want]
+    assert want[0].output_token_ids != want[1].output_token_ids
+
+
+def test_boolean_and_map_columns_hold_the_flags_and_the_bias(tmp_path):
+    """A Parquet bool column for the text switches and a map column for logit_bias (as pandas / Arrow write
+    them) are usable column types, not config errors."""
+    bias = pa.array([[(65, -5.0)], None], pa.map_(pa.int64(), pa.float64()))
+    src = write(tmp_path / "p.parquet", prompt=["a", "b"], inc=pa.array([True, None]), lb=bias)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}",
+                      "+workload.columns={include_stop_str_in_output: inc, logit_bias: lb}")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    assert eng.params_seen["0"].include_stop_str_in_output is True and eng.params_seen["0"].logit_bias == {65: -5.0}
+    assert eng.params_seen["1"].include_stop_str_in_output is False and eng.params_seen["1"].logit_bias is None

@@ -26,6 +26,8 @@ _TYPE_HINT = {
     "json_schema": "JSON text or a struct",
     "choice": "a list of strings or its JSON text",
     "text": "strings",
+    "flag": "booleans or the text true / false",
+    "logit_bias": "a map of token ids to numbers, a struct, or its JSON text",
 }
 
 _PROMPT_HINT = {
@@ -164,8 +166,10 @@ def _is_list_of(t: pa.DataType, item: Any) -> bool:
 
 
 def _type_group(key: str) -> str:
-    if key in ("stop", "json_schema", "choice"):
+    if key in ("stop", "json_schema", "choice", "logit_bias"):
         return key
+    if key in ("include_stop_str_in_output", "skip_special_tokens"):
+        return "flag"
     return "text" if key in ("regex", "grammar") else "number"
 
 
@@ -182,6 +186,10 @@ def usable_type(key: str, t: pa.DataType) -> bool:
         return _is_list_of(t, lambda v: usable_type("regex", v))
     if group == "json_schema":  # a struct reads as a mapping (a map as a list of pairs); `true` = any
         return pa.types.is_struct(t) or pa.types.is_boolean(t)
+    if group == "flag":
+        return pa.types.is_boolean(t)
+    if group == "logit_bias":  # a map reads as a list of (key, value) pairs, a struct as a mapping
+        return pa.types.is_map(t) or pa.types.is_struct(t)
     return False
 
 

@@ -29,7 +29,7 @@ from ladle.runner.chat import BadMessage, chat_messages
 from ladle.runner.config import WorkloadConfig
 from ladle.runner.sources.base import Source, limit_total, row_failure
 from ladle.runner.sources.jsonl import count_lines, jsonl_files, read_lines
-from ladle.runner.sources.openai_body import BadLine, body_sampling, format_defaults
+from ladle.runner.sources.openai_body import BODY_KEYS, BadLine, body_sampling, format_defaults
 from ladle.runner.sources.rows import Row, batched, duplicate_id_error
 from ladle.runner.sources.shard import Shard
 from ladle.runner.text import TooDeep, clean, load_json
@@ -146,7 +146,7 @@ class OpenAIBatchSource(Source):
 
     @property
     def value_names(self) -> dict[str, str]:
-        return {**{k: f"body.{k}" for k in ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p")},
+        return {**{k: f"body.{k}" for k in BODY_KEYS},
                 "max_tokens": "body.max_tokens / max_completion_tokens", "logprobs": "body.logprobs / top_logprobs",
                 "prompt_logprobs": "body.logprobs (echo)", "json_schema": "body.response_format"}
 

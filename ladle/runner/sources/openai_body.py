@@ -2,8 +2,8 @@
 
 A batch file must run as it would on OpenAI or `vllm run-batch`. The fields the format defines take the
 line's value, else the format's default: vLLM's (the model's generation_config.json for temperature,
-top_p, top_k and min_p), else OpenAI's (temperature 1, top_p 1; no top-k, min-p, stop or logprobs; one
-sample; no response_format). The config's `sampling` applies only to what the format leaves to the
+top_p, top_k, min_p and repetition_penalty), else OpenAI's (temperature 1, top_p 1; no top-k, min-p,
+penalty, logit_bias, stop or logprobs; one sample; no response_format). The config's `sampling` applies only to what the format leaves to the
 server: max_tokens (ladle's bound on every output), seed (`sampling.seed + line`, unseeded otherwise),
 stop_token_ids, ignore_eos, prompt_logprobs.
 """
@@ -21,8 +21,14 @@ MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most: Ope
 
 # The format's own defaults for the fields it defines (SamplingParams names).
 FORMAT_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "n": 1, "stop": [],
-                                   "logprobs": None, "structured": None}
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p")  # what vLLM takes from generation_config.json
+                                   "logprobs": None, "structured": None, "presence_penalty": 0.0,
+                                   "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
+                                   "min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True}
+# What vLLM takes from generation_config.json.
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The body's sampling fields read as they are: OpenAI's, and vLLM's extra ones its server accepts.
+BODY_KEYS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "logit_bias", "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
 
 
 class BadLine(ValueError):
@@ -106,7 +112,7 @@ def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
             raise BadLine("max_tokens=0 generates nothing: only a /v1/completions line with echo: true (and "
                           "logprobs: k to score the prompt) may ask for no tokens")
         s["prompt_logprobs"] = 0  # the engine scores the prompt; with logprobs given, reported below
-    for key in ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p"):
+    for key in BODY_KEYS:
         if body.get(key) is not None:
             s[key] = body[key]
     _logprobs(body, chat, s)
