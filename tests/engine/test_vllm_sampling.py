@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ladle.engine import SamplingParams
+from ladle.engine.sampling_params import StructuredOutputs
 from ladle.models.tokenizer import ByteTokenizer
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import make_engine, random_prompt, use_tokenizer
@@ -164,3 +165,15 @@ def test_stop_strings_are_looked_for_only_past_min_tokens(path):
     early, late = eng.generate([PROMPT, PROMPT], [SamplingParams(**base), SamplingParams(min_tokens=3, **base)])
     assert early.text == "A" and early.finish_reason == "stop"
     assert late.text.startswith("ABCD") and late.finish_reason == "length"  # "B" came with token 2 of 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_allows_only_its_end_ends_the_output_before_min_tokens(path, temperature):
+    """min_tokens masks the stop tokens; a grammar that has nothing left but its end token would leave
+    no token at all (every logit -inf: a NaN draw of token 0, which the grammar rejects). The grammar's
+    end wins: the output is complete and valid."""
+    eng = make_engine(path)
+    base = {"max_tokens": 8, "temperature": temperature, "seed": 3, "structured": StructuredOutputs(choice=["ab"])}
+    out, free = eng.generate([PROMPT, PROMPT], [SamplingParams(min_tokens=5, **base), SamplingParams(**base)])
+    assert (out.finish_reason, out.error) == ("stop", None) and out.text.startswith("ab")
+    assert (out.output_token_ids, out.text) == (free.output_token_ids, free.text)  # as without min_tokens
