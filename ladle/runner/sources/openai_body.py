@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,14 @@ def _response_format(rf: Any, s: dict[str, Any]) -> None:
         raise BadLine(f"body.response_format={rf!r:.80}: type must be text, json_object or json_schema")
 
 
+def _clamped(bias: Any) -> Any:
+    """A number clamped to OpenAI's logit_bias range [-100, 100], as vLLM's server does to every bias
+    (SamplingParams.from_optional); anything else is left for validation to name."""
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (isinstance(bias, float) and math.isnan(bias)):
+        return bias
+    return float(min(100, max(-100, bias)))  # (an int past float's range compares, never converts)
+
+
 def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The body's sampling fields by ladle's sampling keys (values checked later, per row)."""
     s: dict[str, Any] = {}
@@ -115,6 +124,8 @@ def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     for key in BODY_KEYS:
         if body.get(key) is not None:
             s[key] = body[key]
+    if isinstance(s.get("logit_bias"), dict):
+        s["logit_bias"] = {k: _clamped(v) for k, v in s["logit_bias"].items()}
     _logprobs(body, chat, s)
     if body.get("response_format") is not None:
         _response_format(body["response_format"], s)
