@@ -5,7 +5,7 @@ line's value, else the format's default: vLLM's (the model's generation_config.j
 top_p, top_k, min_p and repetition_penalty), else OpenAI's (temperature 1, top_p 1; no top-k, min-p,
 penalty, logit_bias, stop or logprobs; one sample; no response_format). The config's `sampling` applies only to what the format leaves to the
 server: max_tokens (ladle's bound on every output), seed (`sampling.seed + line`, unseeded otherwise),
-stop_token_ids, ignore_eos, prompt_logprobs.
+prompt_logprobs, and vLLM's stop_token_ids and ignore_eos where a line does not set them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ FORMAT_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # The body's sampling fields read as they are: OpenAI's, and vLLM's extra ones its server accepts.
 BODY_KEYS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "logit_bias", "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
+             "logit_bias", "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+             "stop_token_ids", "ignore_eos")  # (these two: the config's when the line leaves them out)
 
 
 class BadLine(ValueError):
