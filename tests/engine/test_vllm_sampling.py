@@ -196,3 +196,14 @@ def test_processed_draws_stay_bitwise_across_chunking_batching_and_prefix_hits(t
                                      max_num_seqs=max_num_seqs, deterministic=True))
         runs.append([(o.sample_index, list(o.output_token_ids), list(o.logprobs)) for o in eng.generate(prompts, ps)])
     assert len(runs[0]) == 7 and runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_min_tokens_past_the_room_of_max_tokens_none_runs_to_the_context_end(path):
+    """max_tokens=None is the prompt's room in max_model_len; a min_tokens beyond it is no error (the
+    user set no max_tokens it could exceed): as in vLLM, stop tokens stay masked and the output ends at
+    the context's end."""
+    eng = make_engine(path, max_model_len=64)
+    eng.output_processor.eos_token_ids = {reference_greedy(SamplingParams(max_tokens=2, temperature=0.0))[1]}
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=None, min_tokens=60, temperature=0.0))[0]
+    assert (out.finish_reason, out.error, len(out.output_token_ids)) == ("length", None, 64 - len(PROMPT))
+    assert not eng.output_processor.eos_token_ids & set(out.output_token_ids)
