@@ -99,7 +99,9 @@ class Sampler:
         filtered = [i for i, r in enumerate(reqs) if _filters(r, vocab)]
         if filtered:
             rows = torch.tensor(filtered, device=logits.device)
-            kept = self._filter(scaled[rows], [reqs[i] for i in filtered])
+            picked = scaled[rows]
+            del scaled  # only the filtered rows' copy stays alive (memory.SAMPLER_BYTES_PER_LOGIT)
+            kept = self._filter(picked, [reqs[i] for i in filtered])
             probs[rows] = kept
         return (probs / noise).argmax(dim=-1)
 
