@@ -94,8 +94,8 @@ def as_logit_bias(value: Any) -> dict[int, float]:
         value = dict(value)
     if not isinstance(value, dict):
         raise BadValue("must map token ids to numbers (a mapping, or its JSON text)")
-    try:
-        return {as_int(k): as_float(v) for k, v in value.items()}
+    try:  # a null bias is no bias: an Arrow struct gives each row the other rows' keys as nulls
+        return {as_int(k): as_float(v) for k, v in value.items() if v is not None}
     except BadValue as e:
         raise BadValue(f"must map integer token ids to finite numbers (a key or value {e})") from None
 
