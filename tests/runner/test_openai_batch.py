@@ -139,10 +139,10 @@ def test_a_lines_stop_token_ids_and_ignore_eos_are_read_as_vllms_server_reads_th
 def test_a_bias_beyond_openais_range_is_clamped_to_it_as_vllms_server_does(tmp_path):
     """vLLM's server clamps every logit_bias to [-100, 100]: a line with 500 runs with 100, and one with
     1e39 (past float32, which SamplingParams refuses) runs rather than failing."""
-    lines = [req("a", logit_bias={"65": 500, "66": -1e39, "67": 7.5, "68": 10**400}), req("b", logit_bias={"65": "x"})]
+    lines = [req("a", logit_bias={"65": 500, "66": -1e39, "67": 7.5, "68": 10**400, "69": "-500"}), req("b", logit_bias={"65": "x"})]
     eng = FakeEngine()
     run_batch(tmp_path, lines, engine=eng)
-    assert eng.params_seen["a"].logit_bias == {65: 100.0, 66: -100.0, 67: 7.5, 68: 100.0}
+    assert eng.params_seen["a"].logit_bias == {65: 100.0, 66: -100.0, 67: 7.5, 68: 100.0, 69: -100.0}
     out = {o["custom_id"]: o for o in read_output(tmp_path / "out")}
     assert out["a"]["error"] is None and "logit_bias" in out["b"]["error"]["message"]
 

@@ -106,9 +106,16 @@ def _response_format(rf: Any, s: dict[str, Any]) -> None:
 def _clamped(bias: Any) -> Any:
     """A number clamped to OpenAI's logit_bias range [-100, 100], as vLLM's server does to every bias
     (SamplingParams.from_optional); anything else is left for validation to name."""
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (isinstance(bias, float) and math.isnan(bias)):
+    number = bias
+    if isinstance(bias, str):  # vLLM's request model reads "500" as 500.0
+        try:
+            number = float(bias)
+        except ValueError:
+            return bias
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or (isinstance(number, float)
+                                                                           and math.isnan(number)):
         return bias
-    return float(min(100, max(-100, bias)))  # (an int past float's range compares, never converts)
+    return float(min(100, max(-100, number)))  # (an int past float's range compares, never converts)
 
 
 def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
