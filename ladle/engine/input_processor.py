@@ -62,7 +62,10 @@ class InputProcessor:
         if self.seed_unseeded is not None and isinstance(params, SamplingParams) and params.seed is None:
             params = dataclasses.replace(params, seed=derived_seed(self.seed_unseeded, request_id))
         if isinstance(params, SamplingParams) and params.max_tokens is None:  # vLLM: up to max_model_len
-            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(ids), 1))
+            room = max(self.max_model_len - len(ids), 1)
+            # A min_tokens past the room is no error (no max_tokens was set): stop tokens stay masked to the end.
+            min_tokens = min(params.min_tokens, room) if isinstance(params.min_tokens, int) else params.min_tokens
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min_tokens)
         req = Request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time), index=next(self._order))
         try:
             error = error or self.validate(req)

@@ -1,5 +1,5 @@
 """What changes a row's logits before any draw, greedy included, in vLLM V1's order: logit_bias, then
-min_tokens (EOS and stop_token_ids masked), then the penalties (repetition over the prompt and output
+min_tokens (EOS and stop_token_ids masked, unless a grammar's mask left nothing else), then the penalties (repetition over the prompt and output
 tokens, frequency and presence over the output tokens, as vLLM's `apply_penalties`).
 
 Rows that set none of these cost nothing. A penalised row reads its prompt and output each step
@@ -40,7 +40,11 @@ def _process_row(row: torch.Tensor, req: Request, eos_token_ids: Collection[int]
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         stops = [t for t in stops if 0 <= t < vocab]
         if stops:
-            row[torch.tensor(stops, dtype=torch.long, device=dev)] = float("-inf")
+            ids = torch.tensor(stops, dtype=torch.long, device=dev)
+            kept = row[ids].clone()
+            row[ids] = float("-inf")
+            if not bool((row > float("-inf")).any()):  # a grammar left only its end: that end wins
+                row[ids] = kept
     if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0:
         return
     output = torch.tensor(req.output_token_ids, dtype=torch.long, device=dev)

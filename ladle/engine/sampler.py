@@ -90,12 +90,18 @@ class Sampler:
         vocab = logits.shape[1]
         # float32 whatever the params hold: all-int temperatures would make an int64 tensor (2**63 overflows it)
         temp = torch.tensor([float(r.params.temperature) for r in reqs], dtype=torch.float32, device=logits.device)
-        probs = (logits / temp[:, None]).softmax(dim=-1)
+        # A valid logit_bias (or a small repetition_penalty) up to float32's largest overflows to inf
+        # once divided by a temperature below 1, and softmax(inf) is NaN: capped, the tokens that
+        # overflowed share the mass (float32 cannot tell them apart), as the limit does.
+        scaled = (logits / temp[:, None]).clamp_(max=torch.finfo(torch.float32).max)
+        probs = scaled.softmax(dim=-1)
         noise = self._noise(reqs, vocab).clamp_(min=torch.finfo(torch.float32).tiny)  # never 0/0
         filtered = [i for i, r in enumerate(reqs) if _filters(r, vocab)]
         if filtered:
             rows = torch.tensor(filtered, device=logits.device)
-            kept = self._filter(logits[rows] / temp[rows, None], [reqs[i] for i in filtered])
+            picked = scaled[rows]
+            del scaled  # only the filtered rows' copy stays alive (memory.SAMPLER_BYTES_PER_LOGIT)
+            kept = self._filter(picked, [reqs[i] for i in filtered])
             probs[rows] = kept
         return (probs / noise).argmax(dim=-1)
 

@@ -94,8 +94,8 @@ def as_logit_bias(value: Any) -> dict[int, float]:
         value = dict(value)
     if not isinstance(value, dict):
         raise BadValue("must map token ids to numbers (a mapping, or its JSON text)")
-    try:
-        return {as_int(k): as_float(v) for k, v in value.items()}
+    try:  # a null bias is no bias: an Arrow struct gives each row the other rows' keys as nulls
+        return {as_int(k): as_float(v) for k, v in value.items() if v is not None}
     except BadValue as e:
         raise BadValue(f"must map integer token ids to finite numbers (a key or value {e})") from None
 
@@ -161,9 +161,21 @@ def as_choice(value: Any) -> list[str]:
     raise BadValue("must be a non-empty list of strings")
 
 
+def as_token_ids(value: Any) -> list[int]:
+    """A list of token ids (vLLM's stop_token_ids)."""
+    value = _plain(value)
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise BadValue("must be a list of integer token ids")
+    try:
+        return [as_int(x) for x in value]
+    except BadValue as e:
+        raise BadValue(f"must be a list of integer token ids (an item {e})") from None
+
+
+# ignore_eos and stop_token_ids are read from an OpenAI batch line's body (vLLM's extra fields), not columns.
 CONVERTERS: dict[str, Callable[[Any], Any]] = {
     **{k: as_int for k in INT_KEYS}, **{k: as_float for k in FLOAT_KEYS}, **{k: as_bool for k in BOOL_KEYS},
-    "stop": as_stop, "logit_bias": as_logit_bias,
+    "ignore_eos": as_bool, "stop_token_ids": as_token_ids, "stop": as_stop, "logit_bias": as_logit_bias,
     "json_schema": as_schema, "regex": as_text, "choice": as_choice, "grammar": as_text,
 }
 

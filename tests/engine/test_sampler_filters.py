@@ -73,3 +73,16 @@ def test_mixed_batch_filters_only_its_own_rows():
         out = Sampler(seed=seed, device=torch.device("cpu")).sample(logits, reqs)
         assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
         assert out[3] == int(logits[3].argmax())
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.9}, {"min_p": 0.1}])
+def test_logits_that_overflow_under_the_temperature_are_still_drawn_from(filters):
+    """A logit_bias up to float32's largest is valid: divided by a temperature below 1 it is inf, and
+    the softmax of inf is NaN. The draw must still pick among the boosted tokens, never a token whose
+    probability is 0 (the argmax of an all-NaN row is token 0)."""
+    logits = torch.zeros(1, 32)
+    logits[0, [7, 9]] = 3e38  # what logit_bias {7: 3e38, 9: 3e38} makes of them
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    req = _req(temperature=0.5, seed=4, **filters)
+    drawn = [sampler.sample(logits.clone(), [req])[0] for _ in range(40)]
+    assert set(drawn) == {7, 9}  # both, as they tie: neither is more likely in float32

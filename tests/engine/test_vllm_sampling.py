@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from ladle.engine import SamplingParams
+from ladle.engine import CacheConfig, ChunkingConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ladle.engine.sampling_params import StructuredOutputs
 from ladle.models.tokenizer import ByteTokenizer
 from tests.conftest import build_tiny_hf_model
 from tests.engine.helpers import make_engine, random_prompt, use_tokenizer
@@ -164,3 +165,45 @@ def test_stop_strings_are_looked_for_only_past_min_tokens(path):
     early, late = eng.generate([PROMPT, PROMPT], [SamplingParams(**base), SamplingParams(min_tokens=3, **base)])
     assert early.text == "A" and early.finish_reason == "stop"
     assert late.text.startswith("ABCD") and late.finish_reason == "length"  # "B" came with token 2 of 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_allows_only_its_end_ends_the_output_before_min_tokens(path, temperature):
+    """min_tokens masks the stop tokens; a grammar that has nothing left but its end token would leave
+    no token at all (every logit -inf: a NaN draw of token 0, which the grammar rejects). The grammar's
+    end wins: the output is complete and valid."""
+    eng = make_engine(path)
+    base = {"max_tokens": 8, "temperature": temperature, "seed": 3, "structured": StructuredOutputs(choice=["ab"])}
+    out, free = eng.generate([PROMPT, PROMPT], [SamplingParams(min_tokens=5, **base), SamplingParams(**base)])
+    assert (out.finish_reason, out.error) == ("stop", None) and out.text.startswith("ab")
+    assert (out.output_token_ids, out.text) == (free.output_token_ids, free.text)  # as without min_tokens
+
+
+def test_processed_draws_stay_bitwise_across_chunking_batching_and_prefix_hits(tiny_hf_model_dir):
+    """deterministic=true: seeded draws through every logits processor (bias, min_tokens, the three
+    penalties, top-p, n > 1 forks) give the same tokens and logprobs, bit for bit, whether the prompts
+    are prefilled whole one at a time, in chunks of 4 beside each other, or in chunks of 7 with prefix hits."""
+    prompts = [random_prompt(9 + 5 * i, seed=70 + i) for i in range(5)]
+    ps = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, top_p=0.9, repetition_penalty=1.3,
+                         frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=4, logit_bias={7: 1.5}, logprobs=2,
+                         n=1 + i % 2) for i in range(5)]
+    runs = []
+    for max_num_seqs, kw in [(1, {"enabled": False}), (8, {"size": 4}), (3, {"size": 7, "block_size": 4})]:
+        cache = {"block_size": kw.pop("block_size", 16), "prefix_caching": max_num_seqs == 3}
+        eng = LLMEngine(EngineConfig(model=ModelConfig(path=str(tiny_hf_model_dir("qwen3")), dtype="float32",
+                                                       device="cpu"),
+                                     cache=CacheConfig(max_model_len=96, **cache), chunking=ChunkingConfig(**kw),
+                                     max_num_seqs=max_num_seqs, deterministic=True))
+        runs.append([(o.sample_index, list(o.output_token_ids), list(o.logprobs)) for o in eng.generate(prompts, ps)])
+    assert len(runs[0]) == 7 and runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_min_tokens_past_the_room_of_max_tokens_none_runs_to_the_context_end(path):
+    """max_tokens=None is the prompt's room in max_model_len; a min_tokens beyond it is no error (the
+    user set no max_tokens it could exceed): as in vLLM, stop tokens stay masked and the output ends at
+    the context's end."""
+    eng = make_engine(path, max_model_len=64)
+    eng.output_processor.eos_token_ids = {reference_greedy(SamplingParams(max_tokens=2, temperature=0.0))[1]}
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=None, min_tokens=60, temperature=0.0))[0]
+    assert (out.finish_reason, out.error, len(out.output_token_ids)) == ("length", None, 64 - len(PROMPT))
+    assert not eng.output_processor.eos_token_ids & set(out.output_token_ids)

@@ -122,6 +122,31 @@ def test_penalties_bias_and_vllms_extra_fields_are_read_not_ignored(tmp_path):
     assert "presence_penalty=5.0 must be in [-2, 2] (0 = off) (from body.presence_penalty)" in out["c"]["error"]["message"]
 
 
+def test_a_lines_stop_token_ids_and_ignore_eos_are_read_as_vllms_server_reads_them(tmp_path):
+    """vLLM's server takes stop_token_ids and ignore_eos from the body: a line asking for them ran without
+    them. A line that leaves them out keeps the config's."""
+    lines = [req("a", stop_token_ids=[5, "6"], ignore_eos=True), req("b"), req("c", stop_token_ids=[1.5]),
+             req("d", ignore_eos="maybe")]
+    eng = FakeEngine()
+    run_batch(tmp_path, lines, "sampling.stop_token_ids=[9]", engine=eng)
+    p = eng.params_seen
+    assert (p["a"].stop_token_ids, p["a"].ignore_eos) == ([5, 6], True)
+    assert (p["b"].stop_token_ids, p["b"].ignore_eos) == ([9], False)
+    out = {o["custom_id"]: o for o in read_output(tmp_path / "out")}
+    assert "body.stop_token_ids" in out["c"]["error"]["message"] and "body.ignore_eos" in out["d"]["error"]["message"]
+
+
+def test_a_bias_beyond_openais_range_is_clamped_to_it_as_vllms_server_does(tmp_path):
+    """vLLM's server clamps every logit_bias to [-100, 100]: a line with 500 runs with 100, and one with
+    1e39 (past float32, which SamplingParams refuses) runs rather than failing."""
+    lines = [req("a", logit_bias={"65": 500, "66": -1e39, "67": 7.5, "68": 10**400, "69": "-500"}), req("b", logit_bias={"65": "x"})]
+    eng = FakeEngine()
+    run_batch(tmp_path, lines, engine=eng)
+    assert eng.params_seen["a"].logit_bias == {65: 100.0, 66: -100.0, 67: 7.5, 68: 100.0, 69: -100.0}
+    out = {o["custom_id"]: o for o in read_output(tmp_path / "out")}
+    assert out["a"]["error"] is None and "logit_bias" in out["b"]["error"]["message"]
+
+
 BAD_LINES = [
     ("{not json", None, "not valid JSON"),
     ('["a list"]', None, "not an object"),

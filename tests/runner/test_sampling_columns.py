@@ -471,3 +471,16 @@ def test_boolean_and_map_columns_hold_the_flags_and_the_bias(tmp_path):
     run_job(cfg, tmp_path / "out", engine=eng)
     assert eng.params_seen["0"].include_stop_str_in_output is True and eng.params_seen["0"].logit_bias == {65: -5.0}
     assert eng.params_seen["1"].include_stop_str_in_output is False and eng.params_seen["1"].logit_bias is None
+
+
+def test_a_struct_logit_bias_column_with_other_keys_per_row_leaves_the_missing_ones_out(tmp_path):
+    """Arrow writes mappings with different keys as one struct of every key: each row has the keys of
+    the others as nulls ({"65": -100} becomes {"65": -100, "66": null}). A null bias is a token the row
+    does not bias; before, every such row failed ('must be a number, not a NoneType')."""
+    src = write(tmp_path / "p.parquet", prompt=["a", "b"], lb=pa.array([{"65": -100}, {"66": 3}]))
+    assert pa.types.is_struct(pq.read_schema(src).field("lb").type)
+    cfg = compose_cfg("workload=parquet", f"workload.path={src}", "+workload.columns={logit_bias: lb}")
+    eng = FakeEngine()
+    run_job(cfg, tmp_path / "out", engine=eng)
+    assert (eng.params_seen["0"].logit_bias, eng.params_seen["1"].logit_bias) == ({65: -100.0}, {66: 3.0})
+    assert all(r["error"] is None for r in rows_of(tmp_path / "out"))

@@ -5,13 +5,14 @@ line's value, else the format's default: vLLM's (the model's generation_config.j
 top_p, top_k, min_p and repetition_penalty), else OpenAI's (temperature 1, top_p 1; no top-k, min-p,
 penalty, logit_bias, stop or logprobs; one sample; no response_format). The config's `sampling` applies only to what the format leaves to the
 server: max_tokens (ladle's bound on every output), seed (`sampling.seed + line`, unseeded otherwise),
-stop_token_ids, ignore_eos, prompt_logprobs.
+prompt_logprobs, and vLLM's stop_token_ids and ignore_eos where a line does not set them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ FORMAT_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # The body's sampling fields read as they are: OpenAI's, and vLLM's extra ones its server accepts.
 BODY_KEYS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "logit_bias", "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
+             "logit_bias", "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+             "stop_token_ids", "ignore_eos")  # (these two: the config's when the line leaves them out)
 
 
 class BadLine(ValueError):
@@ -101,6 +103,21 @@ def _response_format(rf: Any, s: dict[str, Any]) -> None:
         raise BadLine(f"body.response_format={rf!r:.80}: type must be text, json_object or json_schema")
 
 
+def _clamped(bias: Any) -> Any:
+    """A number clamped to OpenAI's logit_bias range [-100, 100], as vLLM's server does to every bias
+    (SamplingParams.from_optional); anything else is left for validation to name."""
+    number = bias
+    if isinstance(bias, str):  # vLLM's request model reads "500" as 500.0
+        try:
+            number = float(bias)
+        except ValueError:
+            return bias
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or (isinstance(number, float)
+                                                                           and math.isnan(number)):
+        return bias
+    return float(min(100, max(-100, number)))  # (an int past float's range compares, never converts)
+
+
 def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The body's sampling fields by ladle's sampling keys (values checked later, per row)."""
     s: dict[str, Any] = {}
@@ -115,6 +132,8 @@ def body_sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     for key in BODY_KEYS:
         if body.get(key) is not None:
             s[key] = body[key]
+    if isinstance(s.get("logit_bias"), dict):
+        s["logit_bias"] = {k: _clamped(v) for k, v in s["logit_bias"].items()}
     _logprobs(body, chat, s)
     if body.get("response_format") is not None:
         _response_format(body["response_format"], s)
