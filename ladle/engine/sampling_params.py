@@ -113,7 +113,8 @@ class SamplingParams:
         out = []
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
             out.append(f"stop={self.stop!r} must be a list of strings")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(isinstance(x, int) for x in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in self.stop_token_ids):  # True is not id 1
             out.append(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
         return out
 

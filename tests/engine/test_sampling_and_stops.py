@@ -245,3 +245,10 @@ def test_an_exception_while_updating_one_request_fails_only_it(tiny_hf_model_dir
     done = run_to_completion(eng)
     assert done[a].finish_reason == "error" and "broken tokenizer" in done[a].error
     assert done[b].finish_reason == "length" and len(done[b].output_token_ids) == 32
+
+
+@pytest.mark.parametrize("ids", [[True], [3, False], ["7"], 7])
+def test_stop_token_ids_must_be_integers_not_booleans(ids):
+    """A boolean is an int to Python: [True] would stop at token 1. It is refused, naming the field."""
+    (problem,) = SamplingParams(stop_token_ids=ids).problems()
+    assert problem.startswith("stop_token_ids=") and "list of integers" in problem
