@@ -87,6 +87,11 @@ class GraphSet:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the memory pool the graphs share (passed on to another set's capture)
 
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured size that holds n (decodes, or a mixed forward's tokens); None: too many,
+        run eager."""
+        return next((size for size in self.sizes if size >= n), None)
+
     def _meta(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
 
@@ -202,13 +207,6 @@ class DecodeGraphs(GraphSet):
         self._np_tokens, self._np_seq_lens = self._host_tokens.numpy(), self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
         self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
-
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured size that holds num_seqs decodes (None: too many, run eager)."""
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
 
     def _meta(self, size: int) -> AttentionMetadata:
         """Static metadata of a bucket. The host lists describe the longest context a decode can have,

@@ -80,13 +80,6 @@ class MixedGraphs(GraphSet):
         self._host_tables = _staging(torch.zeros(seqs, width, dtype=torch.int32), pin)
         self._copied = torch.cuda.Event() if pin else None  # the staging may be rewritten once it is set
 
-    def bucket(self, num_tokens: int) -> int | None:
-        """The smallest captured token count that holds num_tokens (None: too many, run eager)."""
-        for size in self.sizes:
-            if size >= num_tokens:
-                return size
-        return None
-
     def why_eager(self, num_tokens: int, num_seqs: int) -> tuple[str, str] | None:
         """Why a forward of this shape cannot replay, as (kind, explanation with the numbers); None: it can."""
         if num_tokens > self.sizes[-1]:
