@@ -51,9 +51,9 @@ def test_default_config(tmp_path):
 
 
 
-def _interrupt_when_rows_are_written(cmd: list[str], cwd: Path, tmp: Path) -> tuple[int, str]:
+def _interrupt_when_rows_are_written(cmd: list[str], cwd: Path, tmp: Path) -> tuple[int, str, str]:
     """Run `cmd`, send it SIGINT once `tmp` (a generations.parquet.tmp) holds a few row groups; (exit
-    status, stdout + stderr)."""
+    status, stdout, stderr)."""
     import signal
     import time
 
@@ -72,7 +72,7 @@ def _interrupt_when_rows_are_written(cmd: list[str], cwd: Path, tmp: Path) -> tu
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
-    return proc.returncode, stdout + stderr
+    return proc.returncode, stdout, stderr
 
 
 def test_the_resume_command_of_an_interrupted_sweep_resumes_the_sweep(tmp_path):
@@ -83,7 +83,8 @@ def test_the_resume_command_of_an_interrupted_sweep_resumes_the_sweep(tmp_path):
     cmd = [sys.executable, "-m", "ladle", "--multirun", "chunking.size=16,64", f"hydra.sweep.dir={sweep}",
            "output.row_group_size=1", "max_num_seqs=2", "sampling.max_tokens=32", "sampling.ignore_eos=true",
            "output.progress=false", "output.plots=false", "cache.max_model_len=512"]
-    code, said = _interrupt_when_rows_are_written(cmd, tmp_path, sweep / "0" / "generations.parquet.tmp")
+    code, stdout, stderr = _interrupt_when_rows_are_written(cmd, tmp_path, sweep / "0" / "generations.parquet.tmp")
+    said = stdout + stderr
     assert code == 130, said[-3000:]
     assert not (sweep / "1").exists()
     command = re.search(r"to resume, run: (.*)", said)[1].strip()
@@ -133,9 +134,6 @@ def test_multirun_sweep_report(tmp_path):
 
 def test_ctrl_c_leaves_readable_outputs(tmp_path):
     """SIGINT mid-run: exit 130, generations.parquet finalised with the rows written so far, no .tmp."""
-    import signal
-    import time
-
     out = tmp_path / "run"
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT))
     # a user's own model config (--config-dir, relative): the resume command must find it again
@@ -147,22 +145,8 @@ def test_ctrl_c_leaves_readable_outputs(tmp_path):
     cmd = [sys.executable, "-m", "ladle", "--config-dir", "myconf", "model=mine", "workload.path=prompts.parquet",
            f"hydra.run.dir={out}", "output.row_group_size=1", "max_num_seqs=2",
            "sampling.max_tokens=32", "sampling.ignore_eos=true", "output.progress=false", "cache.max_model_len=512"]
-    # a suite started in the background (`pytest &`) has SIGINT ignored, and a child inherits that: hand it
-    # a handled SIGINT instead (exec resets a handler to the default), as a terminal's Ctrl-C finds it
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    tmp = out / "generations.parquet.tmp"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        if tmp.exists() and tmp.stat().st_size > 3000:  # a few row groups are on disk
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-3000:]
+    returncode, stdout, stderr = _interrupt_when_rows_are_written(cmd, tmp_path, out / "generations.parquet.tmp")
+    assert returncode == 130, stderr[-3000:]
     rows = pq.read_table(out / "generations.parquet").to_pylist()
     assert 0 < len(rows) < 48 and not list(out.glob("*.tmp"))
     summary = json.loads((out / "summary.json").read_text())

@@ -43,7 +43,7 @@ from ladle.runner.sources.shard import Routing, Shard
 from tests.runner.conftest import compose_cfg
 from tests.runner.fake_engine import FakeEngine
 from tests.runner.test_cli import FAST, ladle
-from tests.runner.test_job import parquet
+from tests.runner.test_job import InterruptAfter, parquet
 
 
 def test_starting_over_keeps_the_previous_rows_until_this_runs_rows_are_written(tmp_path, monkeypatch):
@@ -272,24 +272,10 @@ def test_a_request_the_engine_rejects_before_it_ever_runs_is_written_at_once(tmp
     pq.write_table(pa.table({"prompt": ["y" * 100, "ok"]}), src)
     cfg = compose_cfg("workload=parquet", f"workload.path={src}", "sampling.n=3")
     out = tmp_path / "out"
-    first = run_job(cfg, out, engine=_InterruptAfter(FakeEngine(max_model_len=64), 1))
+    first = run_job(cfg, out, engine=InterruptAfter(FakeEngine(max_model_len=64), 1))
     assert first.interrupted and rows_of(out) == [("0", 0, rows_of(out)[0][2])] and rows_of(out)[0][2]
     run_job(cfg, out, engine=FakeEngine(max_model_len=64))
     assert [(rid, k) for rid, k, _ in rows_of(out)] == [("0", 0), ("1", 0), ("1", 1), ("1", 2)]
-
-
-class _InterruptAfter:
-    def __init__(self, eng, n):
-        self.eng, self.n = eng, n
-
-    def __getattr__(self, name):
-        return getattr(self.eng, name)
-
-    def step(self):
-        self.n -= 1
-        if self.n < 0:
-            raise KeyboardInterrupt
-        return self.eng.step()
 
 
 def test_the_resume_command_keeps_the_config_tree_the_run_was_composed_from(tmp_path):
