@@ -9,28 +9,7 @@
 #   sweep-0.6b, sweep-4b: a chunk-size sweep of the runner
 # Logs go to $OUT (or ./gpu-out): one file per phase. Wheels the machine lacks (hydra-core, omegaconf,
 # xgrammar, jsonschema and what they need) are installed from .whl/ when it is there (fetch_wheels.sh).
-set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
-PY=python3
-step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.txt, report its status
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" | tee -a "$OUT/$name.txt"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$OUT/$name.txt" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
-  tail -n 25 "$OUT/$name.txt"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+source "$(dirname "$0")/setup.sh"
 for phase in "$@"; do
   case $phase in
     tests)  # the suite with the engine and model tests on the GPU

@@ -10,25 +10,7 @@
 #                                                   # against transformers' continuous batching
 # Each step has its own time limit and logs to $OUT/<step>.txt; JSON results land in $OUT too. A step cut
 # off by its limit leaves the others running.
-set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
-PY=python3
-step() {  # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.txt, print its tail
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" | tee -a "$OUT/$name.txt"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$OUT/$name.txt" 2>&1
-  echo "== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
-  tail -n 20 "$OUT/$name.txt"
-}
+source "$(dirname "$0")/setup.sh"
 sweep() {  # sweep MODEL LIMIT: chunk sizes 256..2048 and unchunked on the long-document workload
   local model=$1 limit=$2 dir=/tmp/sweep-$1
   step "sweep-$model" "$limit" $PY -m ladle --multirun model="$model" model.random_weights=true \
@@ -39,8 +21,6 @@ sweep() {  # sweep MODEL LIMIT: chunk sizes 256..2048 and unchunked on the long-
     hydra.run.dir="$dir/off"
   cat "$dir/sweep.md" "$dir/off/summary.json" >>"$OUT/sweep-$model.txt" 2>&1
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 case ${1:-} in
   steps)
     LADLE_TEST_DEVICE=cuda step graph-tests 90 $PY -m pytest -q -p no:cacheprovider -rfE \
